@@ -1,0 +1,580 @@
+"""``CompositeConnector``: one node of a kvcompose tree, and itself a vLLM connector.
+
+The node forwards every member of vLLM's ``KVConnectorBase_V1`` to its children by the rule
+written for it in ``kvcompose.rules`` (the drift test checks the two stay in step). What makes
+chain, fan-out and route differ is only the lookup policy (``kvcompose.policies``); what every
+node shares lives here:
+
+- the ownership **ledger** (scheduler side): who owns each request's load;
+- the contract **guard**: normalises and counts what children return;
+- the worker-side **signal filter**: one terminal signal per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+    supports_hma,
+)
+
+from kvcompose import spec as specs
+from kvcompose.children import Child, build_child, child_class, child_vllm_config
+from kvcompose.guard import Guard
+from kvcompose.ledger import Ledger, LoadState
+from kvcompose.metadata import (
+    ComposedHandshake,
+    ComposedKVEvents,
+    ComposedWorkerMeta,
+    CompositeMetadata,
+)
+from kvcompose.policies import policy_for
+from kvcompose.signals import WorkerSignals
+from kvcompose.stats import ComposedStats, NodeCounters, build_composed_prom_metrics
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvcompose")
+
+
+class ParamsClash(ValueError):
+    """Two children returned the same ``kv_transfer_params`` key for one request."""
+
+
+class CompositeConnector(KVConnectorBase_V1):
+    """A chain, fan-out or route node. Subclasses only choose how the tree is read
+    (``tree_from_config``) and whether the class supports HMA."""
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def tree_from_config(cls, extra_config: Mapping[str, Any]) -> specs.CompositeSpec:
+        """The node's spec, read from its ``kv_connector_extra_config``."""
+        if specs.TREE_KEY in extra_config:  # a subtree handed down by a parent composite
+            tree = specs.from_dict(extra_config[specs.TREE_KEY])
+        else:
+            from kvcompose.config import tree_from_extra_config
+
+            tree = tree_from_extra_config(extra_config)
+        if isinstance(tree, specs.LeafSpec):  # a lone connector: a chain of one
+            tree = specs.ChainSpec(name="root", children=(tree,))
+        return tree
+
+    @staticmethod
+    def strict_from_config(extra_config: Mapping[str, Any]) -> bool:
+        import os
+
+        return bool(extra_config.get("strict")) or os.environ.get("KVCOMPOSE_STRICT") == "1"
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.spec = self.tree_from_config(extra)
+        self.name = self.spec.name
+        self.strict = self.strict_from_config(extra)
+        self.children: list[Child] = [
+            build_child(vllm_config, role, kv_cache_config, child, strict=self.strict)
+            for child in self.spec.children]
+        # vLLM's SimpleCPUOffload discovery duck-types on ``_connectors``.
+        self._connectors = [c.connector for c in self.children]
+        self._savers = [c.connector for c in self.children if c.saves]
+        self.policy = policy_for(self.spec)
+        self.counters = NodeCounters([c.name for c in self.children])
+        self.guard = Guard(self.name, [c.name for c in self.children], strict=self.strict,
+                           on_error=[c.spec.on_error for c in self.children],
+                           interval=self.counters)
+        self._lookup_timeout_s = self.spec.lookup_timeout_s
+        # scheduler side
+        self.ledger = Ledger()
+        self._step_loads: dict[str, int] = {}
+        self._step_sends: dict[str, tuple[int, ...]] = {}
+        self._partial_tails: dict[str, set[int]] = {}
+        # worker side
+        self.signals = WorkerSignals(self.guard)
+        self._check_finished_counts(vllm_config)
+
+    def _check_finished_counts(self, vllm_config: VllmConfig) -> None:
+        if self.role is KVConnectorRole.SCHEDULER:
+            self.get_finished_count()  # refuse to start on a conflict
+
+    # ------------------------------------------------------------ introspection
+    def live_requests(self) -> dict[str, Any]:
+        """Every per-request table of this node and its composite descendants that still
+        holds something; ``{}`` when nothing is in flight (the leak check)."""
+        tables: dict[str, Any] = {}
+        if len(self.ledger):
+            tables["ledger"] = self.ledger.snapshot()
+        if self._partial_tails:
+            tables["partial_tails"] = {k: sorted(v) for k, v in self._partial_tails.items()}
+        tables.update(self.signals.live())
+        for child in self.children:
+            live = getattr(child.connector, "live_requests", None)
+            if isinstance(child.connector, CompositeConnector) and live is not None:
+                nested = live()
+                if nested:
+                    tables[child.name] = nested
+        return tables
+
+    def ownership(self) -> dict[str, dict[str, object]]:
+        """The live ownership table: request id → state, owner (child name), tokens, reason."""
+        table = self.ledger.snapshot()
+        for record in table.values():
+            owner = record["owner"]
+            record["owner"] = None if owner is None else self.children[owner].name  # type: ignore[index]
+        return table
+
+    # ------------------------------------------------------------- rule helpers
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> None:
+        for child in self._connectors:
+            getattr(child, method)(*args, **kwargs)
+
+    def _savers_all(self, method: str, *args: Any, **kwargs: Any) -> None:
+        for child in self._savers:
+            getattr(child, method)(*args, **kwargs)
+
+    def _any(self, method: str) -> bool:
+        return any(getattr(child, method)() for child in self._connectors)
+
+    # ======================================================== scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        record = self.ledger.begin_lookup(request.request_id)
+        now = time.monotonic()
+        timed_out = (record.pending_since is not None
+                     and now - record.pending_since >= self._lookup_timeout_s)
+        candidates = self.policy.candidates(request)
+        longest = self.policy.mode == "longest"
+        best: tuple[int, int, bool] | None = None  # (child, tokens, async)
+        pending = False
+        timeouts: list[int] = []
+        for child in candidates.children:
+            if child in record.excluded:
+                continue
+            tokens, is_async = self._lookup_child(child, request, num_computed_tokens)
+            if tokens is None:
+                if timed_out:
+                    timeouts.append(child)
+                    continue
+                pending = True
+                if longest:
+                    continue
+                break
+            if tokens > 0 and (best is None or tokens > best[1]):
+                best = (child, tokens, is_async)
+                if not longest:
+                    break
+        if pending:
+            self.ledger.mark_pending(record, now)
+            return None, False
+        for child in timeouts:
+            self.counters.lookup_timeout(child)
+        self.counters.lookup()
+        if best is None:
+            self.ledger.decide(record, None, 0, False, candidates.reason)
+            return 0, False
+        child, tokens, is_async = best
+        self.ledger.decide(record, child, tokens, is_async, candidates.reason)
+        self.counters.hit(child, tokens)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("kvcompose[%s] %s: owner %s, %d tokens, %s, by %s", self.name,
+                         request.request_id, self.children[child].name, tokens,
+                         "async" if is_async else "sync", candidates.reason)
+        return tokens, is_async
+
+    def _lookup_child(self, child: int, request: Request, num_computed_tokens: int
+                      ) -> tuple[int | None, bool]:
+        try:
+            result = self._connectors[child].get_num_new_matched_tokens(request,
+                                                                        num_computed_tokens)
+        except Exception as exc:
+            self.guard.child_error(child, "get_num_new_matched_tokens", exc)
+            return 0, False
+        return self.guard.normalise_lookup(child, result)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        req_id = request.request_id
+        record = self.ledger.allocated(req_id, num_external_tokens)
+        owner = record.owner if record is not None else None
+        for i, child in enumerate(self._connectors):
+            n = num_external_tokens if i == owner else 0
+            try:
+                child.update_state_after_alloc(request, blocks, n)
+            except Exception as exc:
+                if n > 0:
+                    raise  # the scheduler already counts these tokens: a load must happen
+                self.guard.child_error(i, "update_state_after_alloc", exc)
+        if (num_external_tokens > 0 and record is not None and record.is_async
+                and record.state is LoadState.LOADING):
+            assert owner is not None
+            self._step_loads[req_id] = owner
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
+                                       ) -> dict[Any, int]:
+        owner = self.ledger.owner(request.request_id)
+        if owner is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return self._connectors[owner].get_external_cache_hit_sources(request,
+                                                                      num_external_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        owner = self.ledger.owner(request.request_id)
+        if owner is None:
+            return super().get_loaded_kv_cache_group_ids(request)
+        return self._connectors[owner].get_loaded_kv_cache_group_ids(request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        children = tuple(c.build_connector_meta(scheduler_output) for c in self._connectors)
+        metadata = CompositeMetadata(children, self._step_loads, self._step_sends)
+        self._step_loads, self._step_sends = {}, {}
+        return metadata
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        failed = connector_output.failed_recving or set()
+        for req_id in connector_output.finished_recving or ():
+            self.ledger.recv_finished(req_id, failed=req_id in failed)
+        for req_id in failed:
+            self.ledger.recv_finished(req_id, failed=True)
+        worker_meta = connector_output.kv_connector_worker_meta
+        events = connector_output.kv_cache_events
+        for i, child in enumerate(self._connectors):
+            child.update_connector_output(dataclasses.replace(
+                connector_output,
+                kv_connector_worker_meta=(worker_meta.children[i]
+                                          if isinstance(worker_meta, ComposedWorkerMeta)
+                                          else None),
+                kv_cache_events=(events.children[i] if isinstance(events, ComposedKVEvents)
+                                 else None)))
+
+    def register_finished_partial_tail(self, request: Request, block_ids: tuple[list[int], ...],
+                                       partial_tail_offloads: list[tuple[int, int, int]]) -> bool:
+        accepted = {i for i, child in enumerate(self._connectors)
+                    if child.register_finished_partial_tail(request, block_ids,
+                                                            partial_tail_offloads)}
+        if accepted:
+            self._partial_tails[request.request_id] = accepted
+        return bool(accepted)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finish(request, lambda child: child.request_finished(request, block_ids))
+
+    def _finish(self, request: Request,
+                call: Callable[[KVConnectorBase_V1], tuple[bool, dict[str, Any] | None]]
+                ) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        delaying = self._partial_tails.pop(req_id, set())
+        merged: dict[str, Any] | None = None
+        producer: dict[str, int] = {}
+        first_error: BaseException | None = None
+        for i, child in enumerate(self._connectors):
+            try:
+                delay, params = call(child)
+            except Exception as exc:  # every child must still hear the finish
+                try:
+                    self.guard.child_error(i, "request_finished", exc)
+                except Exception as fatal:
+                    first_error = first_error or fatal
+                continue
+            if delay:
+                delaying.add(i)
+            if params:
+                merged = self._merge_params(merged, params, producer, i, req_id)
+        self.ledger.finished(req_id)
+        if first_error is not None:
+            raise first_error
+        if delaying:
+            self._step_sends[req_id] = tuple(sorted(delaying))
+        return bool(delaying), merged
+
+    def _merge_params(self, merged: dict[str, Any] | None, params: dict[str, Any],
+                      producer: dict[str, int], child: int, req_id: str) -> dict[str, Any]:
+        merged = {} if merged is None else merged
+        for key, value in params.items():
+            if key in producer and merged[key] != value:
+                other = self.children[producer[key]].name
+                self.guard.violation(child, "params_clash",
+                                     f"kv_transfer_params key {key!r} for {req_id} also set "
+                                     f"by {other!r}; keeping {other!r}'s value")
+                continue
+            producer.setdefault(key, child)
+            merged.setdefault(key, value)
+        return merged
+
+    def on_new_request(self, request: Request) -> None:
+        self._all("on_new_request", request)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        for child in self._connectors:
+            yield from child.take_events()
+
+    def has_pending_block_frees(self) -> bool:
+        return self._any("has_pending_block_frees")
+
+    def has_pending_push_work(self) -> bool:
+        return self._any("has_pending_push_work")
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+        self._all("bind_kv_cache_manager", kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._all("bind_gpu_block_pool", gpu_block_pool)
+
+    def get_finished_count(self) -> int | None:
+        world_size = self._vllm_config.parallel_config.world_size
+        counts = {child.name: child.connector.get_finished_count() for child in self.children}
+        resolved = {name: world_size if c is None else c for name, c in counts.items()}
+        if len(set(resolved.values())) > 1:
+            raise ValueError(
+                f"kvcompose[{self.name}]: children expect different numbers of finished "
+                f"signals per request ({resolved}; None = world size {world_size}); vLLM has "
+                "one count for all requests, so these connectors cannot share a composite")
+        value = next(iter(resolved.values()), world_size)
+        return None if value == world_size else value
+
+    def reset_cache(self) -> bool | None:
+        results = [child.reset_cache() for child in self._connectors]
+        if any(r is False for r in results):
+            return False
+        if results and all(r is True for r in results):
+            return True
+        return None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        for i, child in enumerate(self._connectors):
+            part = {k: md.children[i] for k, md in metadata.items()
+                    if isinstance(md, ComposedHandshake) and md.children[i] is not None}
+            if part:
+                child.set_xfer_handshake_metadata(part)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        for i, child in enumerate(self._connectors):
+            part = {k: md.children[i] for k, md in metadata.items()
+                    if isinstance(md, ComposedHandshake) and md.children[i] is not None}
+            if part:
+                child.set_xfer_handshake_metadata_pp_aware(part)
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return bool(self._connectors) and all(
+            c.supports_divergent_local_hybrid_hits for c in self._connectors)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return any(c.requires_kv_delivery for c in self._connectors)
+
+    # =========================================================== worker side
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        contexts = [(c.name, ctx) for c in self.children
+                    if (ctx := c.connector.get_mem_pool_context()) is not None]
+        if len(contexts) > 1:
+            raise ValueError(f"kvcompose[{self.name}]: children {[n for n, _ in contexts]} each "
+                             "want their own KV-cache memory pool; at most one can")
+        return contexts[0][1] if contexts else None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._all("register_kv_caches", kv_caches)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        self._all("set_host_xfer_buffer_ops", copy_operation)
+
+    def unregister_kv_caches(self) -> None:
+        self._all("unregister_kv_caches")
+
+    def restore_kv_caches(self) -> None:
+        self._all("restore_kv_caches")
+
+    def finish_forward(self) -> None:
+        self._all("finish_forward")
+
+    def reset_capture_state(self) -> None:
+        self._all("reset_capture_state")
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, CompositeMetadata)
+        for child, md in zip(self._connectors, kv_connector_metadata.children, strict=True):
+            if md is not None:
+                child.handle_preemptions(md)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(connector_metadata, CompositeMetadata)
+        super().bind_connector_metadata(connector_metadata)
+        self.signals.on_metadata(connector_metadata)
+        for child, md in zip(self._connectors, connector_metadata.children, strict=True):
+            if md is not None:
+                child.bind_connector_metadata(md)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._all("clear_connector_metadata")
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._all("start_load_kv", forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._all("wait_for_layer_load", layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        self._savers_all("save_kv_layer", layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._savers_all("wait_for_save")
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self.signals.combine(
+            [c.get_transfer_results(finished_req_ids) for c in self._connectors])
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors: set[int] = set()
+        for child in self._connectors:
+            errors |= child.get_block_ids_with_load_errors()
+        return errors
+
+    def get_kv_connector_kv_cache_events(self) -> ComposedKVEvents | None:
+        events = [c.get_kv_connector_kv_cache_events() for c in self._connectors]
+        return None if all(e is None for e in events) else ComposedKVEvents(events)
+
+    def get_handshake_metadata(self) -> ComposedHandshake | None:
+        parts = tuple(c.get_handshake_metadata() for c in self._connectors)
+        return None if all(p is None for p in parts) else ComposedHandshake(parts)
+
+    def build_connector_worker_meta(self) -> ComposedWorkerMeta | None:
+        parts = tuple(c.build_connector_worker_meta() for c in self._connectors)
+        return None if all(p is None for p in parts) else ComposedWorkerMeta(parts)
+
+    # ============================================================= both sides
+    def get_kv_connector_stats(self) -> ComposedStats | None:
+        stats = ComposedStats.collect(self)
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        first_error: BaseException | None = None
+        for child in self.children:
+            try:
+                child.connector.shutdown()
+            except Exception as exc:
+                logger.error("kvcompose[%s]: child %r failed to shut down: %s", self.name,
+                             child.name, exc)
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+    # ============================================================ class level
+    @classmethod
+    def _child_classes(cls, vllm_config: VllmConfig) -> list[tuple[type[KVConnectorBase_V1],
+                                                                   VllmConfig]]:
+        assert vllm_config.kv_transfer_config is not None
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        tree = cls.tree_from_config(extra)
+        strict = cls.strict_from_config(extra)
+        out = []
+        for child in tree.children:
+            config = child_vllm_config(vllm_config, child, strict=strict, hma=False)
+            out.append((child_class(config, child), config))
+        return out
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        if vllm_config.kv_transfer_config is None:
+            return None
+        layouts = {}
+        for child_cls, config in cls._child_classes(vllm_config):
+            layout = child_cls.get_required_kvcache_layout(config)
+            if layout is not None:
+                layouts[child_cls.__name__] = layout
+        if len(set(layouts.values())) > 1:
+            raise ValueError(f"kvcompose: children require different KV-cache layouts: "
+                             f"{layouts}; they cannot share one KV cache")
+        return next(iter(layouts.values()), None)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        tree = cls.tree_from_config(extra_config)
+        for child in tree.children:
+            if isinstance(child, specs.LeafSpec):
+                child_cls = _leaf_class(child)
+                if child_cls.requires_piecewise_for_cudagraph(dict(child.extra_config)):
+                    return True
+            elif cls.requires_piecewise_for_cudagraph({specs.TREE_KEY: specs.to_dict(child)}):
+                return True
+        return False
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        tree = cls.tree_from_config(kv_transfer_config.kv_connector_extra_config)
+        parent = {f.name: getattr(kv_transfer_config, f.name)
+                  for f in dataclasses.fields(kv_transfer_config) if f.init}
+        from vllm.config import KVTransferConfig
+
+        from kvcompose.children import child_transfer_dict
+
+        for child in tree.children:
+            ktc = KVTransferConfig(**child_transfer_dict(parent, child, strict=False, hma=False))
+            child_cls = _leaf_class(child) if isinstance(child, specs.LeafSpec) else cls
+            check = getattr(child_cls, "supports_sleep_mode", None)
+            if check is not None and not check(ktc):
+                return False
+        return True
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ComposedStats:
+        return ComposedStats(data=data if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> Any:
+        return build_composed_prom_metrics(cls, vllm_config, metric_types, labelnames,
+                                           per_engine_labelvalues)
+
+
+class CompositeConnectorHMA(CompositeConnector, SupportsHMA):
+    """The same node for the hybrid KV cache manager: vLLM decides HMA support per class."""
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        def call(child: KVConnectorBase_V1) -> tuple[bool, dict[str, Any] | None]:
+            if supports_hma(child):
+                return child.request_finished_all_groups(request, block_ids)  # type: ignore[attr-defined]
+            if len(block_ids) != 1:
+                raise ValueError(f"kvcompose[{self.name}]: {type(child).__name__} does not "
+                                 f"support HMA but the request has {len(block_ids)} KV groups")
+            return child.request_finished(request, block_ids[0])
+
+        return self._finish(request, call)
+
+
+def _leaf_class(leaf: specs.LeafSpec) -> type[KVConnectorBase_V1]:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    class _Ktc:  # what get_connector_class reads
+        kv_connector = leaf.connector
+        kv_connector_module_path = leaf.module_path
+
+    return KVConnectorFactory.get_connector_class(_Ktc)  # type: ignore[arg-type, return-value]

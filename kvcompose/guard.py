@@ -1,0 +1,97 @@
+"""The contract guard on every parent→child edge.
+
+It does three things, and nothing else:
+
+- **normalises** what a child returns where vLLM's contract is strict: ``(0, True)`` from
+  ``get_num_new_matched_tokens`` becomes ``(0, False)`` (vLLM's scheduler asserts a positive
+  count for async loads), a negative count becomes 0. The owner's positive count is never
+  changed: LMCache asserts it receives exactly what it promised;
+- **counts** every contract violation per child and kind, and logs each kind once per child;
+  in ``strict`` mode (for connector authors' tests) it raises ``ContractViolation`` instead;
+- **contains errors** from scheduler-side lookups according to the child's ``on_error``
+  policy: ``miss`` (the default) treats the exception as a miss for that request and logs it
+  once per child and error type; ``fail`` re-raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+logger = logging.getLogger("kvcompose")
+
+
+class ContractViolation(AssertionError):
+    """A child broke the vLLM connector contract (raised in strict mode only)."""
+
+
+class Guard:
+    """Violation and error bookkeeping for one composite node's children."""
+
+    def __init__(self, node_name: str, child_names: list[str], *, strict: bool,
+                 on_error: list[str], interval: Counter[str] | None = None) -> None:
+        self.node_name = node_name
+        self.interval = interval if interval is not None else Counter()
+        self.child_names = child_names
+        self.strict = strict
+        self.on_error = on_error
+        self.violations: Counter[tuple[str, str]] = Counter()
+        self.errors: Counter[tuple[str, str]] = Counter()
+
+    # ------------------------------------------------------------ violations
+    def violation(self, child: int, kind: str, detail: str) -> None:
+        name = self.child_names[child] if child >= 0 else self.node_name
+        key = (name, kind)
+        first = key not in self.violations
+        self.violations[key] += 1
+        self.interval[f"violations.{name}.{kind}"] += 1
+        message = (f"kvcompose[{self.node_name}]: child {name!r} broke the contract "
+                   f"({kind}): {detail}")
+        if self.strict:
+            raise ContractViolation(message)
+        if first:
+            logger.warning("%s (logged once per child and kind)", message)
+
+    def normalise_lookup(self, child: int, result: Any) -> tuple[int | None, bool]:
+        """Check a child's ``get_num_new_matched_tokens`` answer."""
+        if not (isinstance(result, tuple) and len(result) == 2):
+            self.violation(child, "lookup_shape", f"returned {result!r}, not (int | None, bool)")
+            return 0, False
+        tokens, is_async = result
+        if tokens is None:
+            return None, bool(is_async)
+        if isinstance(tokens, bool) or not isinstance(tokens, int):
+            self.violation(child, "lookup_type",
+                           f"returned a count of type {type(tokens).__name__}")
+            return 0, False
+        if tokens < 0:
+            self.violation(child, "negative_tokens", f"returned {tokens} tokens")
+            return 0, False
+        if tokens == 0 and is_async:
+            self.violation(child, "zero_async", "returned (0, True); normalised to (0, False)")
+            return 0, False
+        return tokens, bool(is_async)
+
+    # ---------------------------------------------------------------- errors
+    def child_error(self, child: int, where: str, exc: BaseException) -> None:
+        """A child raised in ``where``. Re-raises under ``on_error: fail``."""
+        name = self.child_names[child]
+        key = (name, f"{where}:{type(exc).__name__}")
+        first = key not in self.errors
+        self.errors[key] += 1
+        self.interval[f"errors.{name}.{where}"] += 1
+        if self.on_error[child] == "fail" or self.strict:
+            raise exc
+        if first:
+            logger.error("kvcompose[%s]: child %r raised %s in %s; treated as a miss "
+                         "(logged once per child and error type)", self.node_name, name,
+                         type(exc).__name__, where, exc_info=exc)
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {"violations": {}, "errors": {}}
+        for (name, kind), count in self.violations.items():
+            out["violations"][f"{name}.{kind}"] = count
+        for (name, kind), count in self.errors.items():
+            out["errors"][f"{name}.{kind}"] = count
+        return out

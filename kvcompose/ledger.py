@@ -1,0 +1,154 @@
+"""The per-request ownership ledger of one composite node (scheduler side).
+
+Every composite node keeps one ``LoadRecord`` per request it has been asked about, from the
+first lookup until ``request_finished``. The record answers the questions the rest of the node
+needs: *who owns the load*, *how many tokens it promised*, *is it async*, *which children have
+already failed this request*.
+
+State machine (transitions are the only methods that change a record)::
+
+                 lookup → None                lookup → decided
+    (absent) ─────────────────▶ PENDING ───────────────────────▶ OWNED
+        │                          ▲                               │ alloc(n)
+        │ lookup → decided         │ re-lookup (scheduler reset:   ├─ n == 0 ──────────▶ NO_LOAD
+        └──────────────────────────┼─ preemption, failed load, ────┤─ n > 0, sync ─────▶ LOADED
+                                   │  allocation retry)            └─ n > 0, async ──▶ LOADING
+                                   │                                                    │
+                 NO_LOAD / LOADED / FAILED / OWNED ◀── finished_recving ──▶ LOADED ◀─────┤
+                                                      failed_recving ──▶ FAILED ◀───────┘
+    any state ── request_finished ──▶ (removed)
+
+A second ``update_state_after_alloc(…, 0)`` after an async load leaves the state unchanged.
+A failed owner is remembered in ``excluded`` and skipped when the scheduler looks the request
+up again (``kv_load_failure_policy="recompute"`` after a total failure), so the next child can
+serve it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class LoadState(enum.Enum):
+    PENDING = "pending"
+    OWNED = "owned"
+    LOADING = "loading"
+    LOADED = "loaded"
+    FAILED = "failed"
+    NO_LOAD = "no_load"
+
+
+#: States from which the scheduler may legitimately ask for a fresh lookup.
+_RELOOKUP_FROM = frozenset(
+    {LoadState.PENDING, LoadState.OWNED, LoadState.NO_LOAD, LoadState.LOADED, LoadState.FAILED}
+)
+
+
+class LedgerError(RuntimeError):
+    """An event arrived that the state machine does not allow (a vLLM or child bug)."""
+
+
+@dataclass(slots=True)
+class LoadRecord:
+    state: LoadState
+    owner: int | None = None
+    tokens: int = 0
+    is_async: bool = False
+    reason: str = ""
+    pending_since: float | None = None
+    lookups: int = 0
+    excluded: set[int] = field(default_factory=set)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"state": self.state.value, "owner": self.owner, "tokens": self.tokens,
+                "async": self.is_async, "reason": self.reason,
+                "excluded": sorted(self.excluded)}
+
+
+class Ledger:
+    """Ownership records of one node, keyed by request id."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, LoadRecord] = {}
+
+    # ------------------------------------------------------------------ queries
+    def get(self, req_id: str) -> LoadRecord | None:
+        return self._records.get(req_id)
+
+    def owner(self, req_id: str) -> int | None:
+        record = self._records.get(req_id)
+        return None if record is None else record.owner
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        return {req_id: rec.as_dict() for req_id, rec in self._records.items()}
+
+    # ------------------------------------------------------------- transitions
+    def begin_lookup(self, req_id: str) -> LoadRecord:
+        """A lookup starts (or restarts). Keeps ``excluded`` and the pending clock."""
+        record = self._records.get(req_id)
+        if record is None:
+            record = self._records[req_id] = LoadRecord(LoadState.PENDING)
+        elif record.state not in _RELOOKUP_FROM:
+            raise LedgerError(f"request {req_id}: lookup while {record.state.value} "
+                              f"(owner {record.owner}); vLLM only looks up reset requests")
+        elif record.state is not LoadState.PENDING:
+            record.state, record.owner, record.tokens = LoadState.PENDING, None, 0
+            record.is_async, record.reason, record.pending_since = False, "", None
+        record.lookups += 1
+        return record
+
+    def mark_pending(self, record: LoadRecord, now: float) -> None:
+        record.state = LoadState.PENDING
+        if record.pending_since is None:
+            record.pending_since = now
+
+    def decide(self, record: LoadRecord, owner: int | None, tokens: int, is_async: bool,
+               reason: str) -> None:
+        record.state = LoadState.OWNED
+        record.owner, record.tokens, record.is_async = owner, tokens, is_async
+        record.reason = reason
+        record.pending_since = None
+
+    def allocated(self, req_id: str, num_external_tokens: int) -> LoadRecord | None:
+        """``update_state_after_alloc`` was called. Returns the record (None if unknown)."""
+        record = self._records.get(req_id)
+        if record is None:
+            if num_external_tokens > 0:
+                raise LedgerError(f"request {req_id}: {num_external_tokens} external tokens "
+                                  "allocated but this node was never asked to look it up")
+            return None
+        if record.state in (LoadState.LOADING, LoadState.LOADED) and num_external_tokens == 0:
+            return record  # the second call after an async load, or a later allocation
+        if record.state is not LoadState.OWNED:
+            if num_external_tokens > 0:
+                raise LedgerError(f"request {req_id}: {num_external_tokens} tokens allocated "
+                                  f"while {record.state.value}")
+            return record
+        if num_external_tokens > record.tokens:
+            raise LedgerError(f"request {req_id}: scheduler allocated {num_external_tokens} "
+                              f"external tokens, more than the {record.tokens} promised")
+        if num_external_tokens == 0:
+            record.state = LoadState.NO_LOAD
+        elif record.is_async:
+            record.state = LoadState.LOADING
+        else:
+            record.state = LoadState.LOADED
+        return record
+
+    def recv_finished(self, req_id: str, failed: bool) -> None:
+        record = self._records.get(req_id)
+        if record is None or record.state is not LoadState.LOADING:
+            return  # aborted before the load completed; nothing to track
+        if failed:
+            record.state = LoadState.FAILED
+            if record.owner is not None:
+                record.excluded.add(record.owner)
+        else:
+            record.state = LoadState.LOADED
+
+    def finished(self, req_id: str) -> LoadRecord | None:
+        return self._records.pop(req_id, None)

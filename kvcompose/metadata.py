@@ -1,0 +1,96 @@
+"""Objects a composite ships between its scheduler and worker instances.
+
+Each wraps one object per child (``None`` where a child has none), so a child always sees
+exactly what it produced, whatever the nesting depth. They are picklable dataclasses: vLLM
+ships them between processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_events import KVConnectorKVEvents
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class CompositeMetadata(KVConnectorMetadata):
+    """Scheduler → worker, once per step.
+
+    ``loads``: async loads handed out this step, request id → owner child index; the worker
+    forwards that child's ``finished_recving``/``failed_recving`` for the request, once.
+    ``sends``: requests finished this step whose blocks stay alive, request id → the children
+    that asked to delay the free; the worker reports ``finished_sending`` once all of them did.
+    """
+
+    children: tuple[KVConnectorMetadata | None, ...]
+    loads: dict[str, int] = field(default_factory=dict)
+    sends: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class ComposedWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker → scheduler, aggregated across workers child by child."""
+
+    children: tuple[KVConnectorWorkerMetadata | None, ...]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, ComposedWorkerMeta)
+        merged = []
+        for mine, theirs in zip(self.children, other.children, strict=True):
+            if mine is None:
+                merged.append(theirs)
+            elif theirs is None:
+                merged.append(mine)
+            else:
+                merged.append(mine.aggregate(theirs))
+        return ComposedWorkerMeta(tuple(merged))
+
+
+@dataclass
+class ComposedHandshake(KVConnectorHandshakeMetadata):
+    """One handshake payload per child (upstream MultiConnector keeps only the first)."""
+
+    children: tuple[KVConnectorHandshakeMetadata | None, ...]
+
+
+class ComposedKVEvents(KVConnectorKVEvents):
+    """Each child's worker-side KV-cache events, kept apart.
+
+    vLLM's output aggregator merges workers through ``get_all_events``/``add_events``; events
+    travel tagged with their child index so each scheduler-side child gets back only its own.
+    """
+
+    def __init__(self, children: list[KVConnectorKVEvents | None]) -> None:
+        self.children = children
+
+    def add_events(self, events: list[Any]) -> None:
+        for child, event in events:
+            target = self.children[child]
+            if target is not None:
+                target.add_events([event])
+
+    def aggregate(self) -> ComposedKVEvents:
+        return ComposedKVEvents([c.aggregate() if c is not None else None for c in self.children])
+
+    def increment_workers(self, count: int = 1) -> None:
+        for child in self.children:
+            if child is not None:
+                child.increment_workers(count)
+
+    def get_all_events(self) -> list[Any]:
+        return [(i, e) for i, c in enumerate(self.children) if c is not None
+                for e in c.get_all_events()]
+
+    def get_number_of_workers(self) -> int:
+        return max((c.get_number_of_workers() for c in self.children if c is not None), default=0)
+
+    def clear_events(self) -> None:
+        for child in self.children:
+            if child is not None:
+                child.clear_events()

@@ -1,0 +1,138 @@
+"""Lookup policies: which children a node asks, in what order, and how it picks the owner.
+
+Chain, fan-out and route differ only here. A policy names the *candidates* for a request
+(children to ask, in order) and a *mode*:
+
+- ``first``: ask in order, stop at the first hit; a child still answering ``None`` ahead of
+  it holds the decision until it answers or the node's lookup deadline passes;
+- ``longest``: ask every candidate, the largest count wins, ties go to the earlier child.
+
+Route asks exactly one child (chosen by its rules), fan-out one designated child or none.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from kvcompose.spec import ChainSpec, CompositeSpec, FanoutSpec, RouteRule, RouteSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvcompose")
+
+Mode = Literal["first", "longest"]
+
+
+@dataclass(frozen=True)
+class Candidates:
+    children: tuple[int, ...]
+    reason: str
+
+
+class LookupPolicy:
+    mode: Mode = "first"
+
+    def candidates(self, request: Request) -> Candidates:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+class ChainPolicy(LookupPolicy):
+    def __init__(self, num_children: int, mode: Mode) -> None:
+        self.mode = mode
+        self._all = Candidates(tuple(range(num_children)), f"chain/{mode}")
+
+    def candidates(self, request: Request) -> Candidates:
+        return self._all
+
+    def describe(self) -> str:
+        return f"chain, {self.mode} hit in order"
+
+
+class FanoutPolicy(LookupPolicy):
+    def __init__(self, load_from: int | None, load_from_name: str | None) -> None:
+        children = () if load_from is None else (load_from,)
+        self._candidates = Candidates(children, f"fan-out/load_from={load_from_name}")
+
+    def candidates(self, request: Request) -> Candidates:
+        return self._candidates
+
+    def describe(self) -> str:
+        return self._candidates.reason
+
+
+class RoutePolicy(LookupPolicy):
+    """The first matching rule picks the child; otherwise the default does.
+
+    A rule that cannot be evaluated for a request (a predicate raising, a ``kv_transfer_params``
+    that is not a dict) does not match; the error is logged once per rule.
+    """
+
+    def __init__(self, rules: tuple[RouteRule, ...], index: Mapping[str, int], default: str):
+        self._rules = [(rule, index[rule.child], _load_predicate(rule.predicate))
+                       for rule in rules]
+        self._default = Candidates((index[default],), f"route/default→{default}")
+        self._reasons = [Candidates((i, ), f"route/rule{n}→{rule.child}")
+                         for n, (rule, i, _) in enumerate(self._rules)]
+        self._broken: set[int] = set()
+
+    def candidates(self, request: Request) -> Candidates:
+        for n, (rule, _, predicate) in enumerate(self._rules):
+            try:
+                if _matches(rule, predicate, request):
+                    return self._reasons[n]
+            except Exception as exc:  # a user predicate or malformed params
+                if n not in self._broken:
+                    self._broken.add(n)
+                    logger.error("kvcompose route rule %d (→%s) failed on request %s: %s; "
+                                 "treated as no match (logged once per rule)",
+                                 n, rule.child, request.request_id, exc)
+        return self._default
+
+    def describe(self) -> str:
+        return f"route, {len(self._rules)} rule(s), default {self._default.reason}"
+
+
+def _load_predicate(path: str | None) -> Callable[[Any], bool] | None:
+    if path is None:
+        return None
+    module_name, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _matches(rule: RouteRule, predicate: Callable[[Any], bool] | None, request: Request) -> bool:
+    if rule.param is not None:
+        params = request.kv_transfer_params
+        if params is None:
+            return False
+        if not isinstance(params, Mapping):
+            raise TypeError(f"kv_transfer_params is {type(params).__name__}, not a dict")
+        if rule.param not in params:
+            return False
+        if rule.has_equals and params[rule.param] != rule.equals:
+            return False
+    num_prompt = request.num_prompt_tokens
+    if rule.min_prompt_tokens is not None and num_prompt < rule.min_prompt_tokens:
+        return False
+    if rule.max_prompt_tokens is not None and num_prompt > rule.max_prompt_tokens:
+        return False
+    return predicate is None or bool(predicate(request))
+
+
+def policy_for(spec: CompositeSpec) -> LookupPolicy:
+    index = {child.name: i for i, child in enumerate(spec.children)}
+    if isinstance(spec, ChainSpec):
+        return ChainPolicy(len(spec.children), spec.policy)
+    if isinstance(spec, FanoutSpec):
+        load_from = None if spec.load_from is None else index[spec.load_from]
+        return FanoutPolicy(load_from, spec.load_from)
+    if isinstance(spec, RouteSpec):
+        return RoutePolicy(spec.rules, index, spec.default)
+    raise TypeError(f"not a composite node: {spec!r}")

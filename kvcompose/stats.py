@@ -1,0 +1,184 @@
+"""Per-node stats: the composite's own counters and its children's stats, keyed by node name.
+
+Upstream MultiConnector keys child stats by class name, so two children of one class merge, and
+rebuilds them in the logger process through vLLM's registry, which fails for plugin connectors.
+Here each child's stats travel under its node name together with its class path, and are
+rebuilt by importing that class.
+
+Payload (``ComposedStats.data``, what ``to_dict`` returns and the logger process receives)::
+
+    {"node": "tiers",
+     "counters": {"lookups": 12, "hits.ram": 3, "hit_tokens.ram": 384, ...},
+     "children": {"ram": {"cls": "vllm...:ExampleConnector", "data": {...}}, ...}}
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+if TYPE_CHECKING:
+    from kvcompose.composite import CompositeConnector
+
+
+class NodeCounters(Counter[str]):
+    """Interval counters of one node (drained each time stats are collected)."""
+
+    def __init__(self, child_names: list[str]) -> None:
+        super().__init__()
+        self.child_names = child_names
+
+    def lookup(self) -> None:
+        self["lookups"] += 1
+
+    def hit(self, child: int, tokens: int) -> None:
+        name = self.child_names[child]
+        self[f"hits.{name}"] += 1
+        self[f"hit_tokens.{name}"] += tokens
+
+    def lookup_timeout(self, child: int) -> None:
+        self[f"lookup_timeouts.{self.child_names[child]}"] += 1
+
+    def drain(self) -> dict[str, int]:
+        out = dict(self)
+        self.clear()
+        return out
+
+
+def class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _rebuild(path: str, data: dict[str, Any]) -> KVConnectorStats | None:
+    module, _, name = path.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls.build_kv_connector_stats(data)
+
+
+@dataclass
+class ComposedStats(KVConnectorStats):
+    @classmethod
+    def collect(cls, node: CompositeConnector) -> ComposedStats:
+        children: dict[str, dict[str, Any]] = {}
+        for child in node.children:
+            stats = child.connector.get_kv_connector_stats()
+            if stats is not None and not stats.is_empty():
+                children[child.name] = {"cls": class_path(type(child.connector)),
+                                        "data": stats.to_dict()}
+        return cls(data={"node": node.name, "counters": node.counters.drain(),
+                         "children": children})
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.data.setdefault("counters", {})
+
+    @property
+    def children(self) -> dict[str, dict[str, Any]]:
+        return self.data.setdefault("children", {})
+
+    def child_stats(self, name: str) -> KVConnectorStats | None:
+        entry = self.children.get(name)
+        return None if entry is None else _rebuild(entry["cls"], entry["data"])
+
+    def reset(self) -> None:
+        self.data = {"node": self.data.get("node"), "counters": {}, "children": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> ComposedStats:
+        assert isinstance(other, ComposedStats)
+        counters = Counter(self.counters)
+        counters.update(other.counters)
+        children = dict(self.children)
+        for name, entry in other.children.items():
+            mine = children.get(name)
+            if mine is None:
+                children[name] = entry
+                continue
+            rebuilt = _rebuild(mine["cls"], mine["data"])
+            theirs = _rebuild(entry["cls"], entry["data"])
+            if rebuilt is None or theirs is None:
+                children[name] = entry
+            else:
+                children[name] = {"cls": mine["cls"], "data": rebuilt.aggregate(theirs).to_dict()}
+        node = self.data.get("node") or other.data.get("node")
+        return ComposedStats(data={"node": node, "counters": dict(counters),
+                                   "children": children})
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.counters)
+        for name, entry in self.children.items():
+            stats = _rebuild(entry["cls"], entry["data"])
+            if stats is None:
+                continue
+            try:
+                reduced = stats.reduce()
+            except NotImplementedError:
+                continue
+            for key, value in reduced.items():
+                out[f"{name}.{key}"] = value
+        return out
+
+    def is_empty(self) -> bool:
+        if any(self.counters.values()):
+            return False
+        for entry in self.children.values():
+            stats = _rebuild(entry["cls"], entry["data"])
+            if stats is None or not stats.is_empty():
+                return False
+        return True
+
+
+class ComposedPromMetrics(KVConnectorPromMetrics):
+    """Children's own Prometheus metrics, one set per child class (registered once even when
+    several nodes share a class), fed with each node's data."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]],
+                 by_class: dict[str, KVConnectorPromMetrics]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._by_class = by_class
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        self._observe(transfer_stats_data, engine_idx)
+
+    def _observe(self, data: dict[str, Any], engine_idx: int) -> None:
+        for entry in data.get("children", {}).values():
+            metrics = self._by_class.get(entry["cls"])
+            if metrics is not None:
+                metrics.observe(entry["data"], engine_idx)
+            elif "children" in entry["data"]:  # a nested composite
+                self._observe(entry["data"], engine_idx)
+
+
+def build_composed_prom_metrics(cls: type, vllm_config: Any, metric_types: dict[type, type],
+                                labelnames: list[str],
+                                per_engine_labelvalues: dict[int, list[object]]
+                                ) -> ComposedPromMetrics | None:
+    from kvcompose.composite import CompositeConnector
+
+    by_class: dict[str, KVConnectorPromMetrics] = {}
+
+    def visit(klass: type[CompositeConnector], config: Any) -> None:
+        for child_cls, child_config in klass._child_classes(config):
+            if issubclass(child_cls, CompositeConnector):
+                visit(child_cls, child_config)
+                continue
+            path = class_path(child_cls)
+            if path in by_class:
+                continue
+            metrics = child_cls.build_prom_metrics(child_config, metric_types, labelnames,
+                                                   per_engine_labelvalues)
+            if metrics is not None:
+                by_class[path] = metrics
+
+    visit(cls, vllm_config)
+    if not by_class:
+        return None
+    return ComposedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
+                               by_class)

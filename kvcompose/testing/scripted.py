@@ -1,0 +1,234 @@
+"""Scripted child connectors: test doubles for *children* (never for vLLM).
+
+A ``ScriptedConnector`` is a real ``KVConnectorBase_V1`` whose behaviour per request comes from
+a ``Script``: how many tokens it holds, sync or async, how long it keeps answering ``None``,
+whether its load succeeds, fails or corrupts blocks, whether it delays the free, which
+``kv_transfer_params`` it returns, where it raises. Unless a behaviour says otherwise it obeys
+vLLM's contract like a real connector; the ``break_*`` flags break it on purpose.
+
+The scheduler and worker instances of one child find their shared ``Script`` by name
+(``kv_connector_extra_config: {"script": NAME}``) in the process-wide ``SCRIPTS`` registry,
+so the pair works wherever both run in one process (the scheduler harness, a single-process
+engine). Every call is recorded in ``Script.calls`` for assertions.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+LoadOutcome = Literal["ok", "fail", "invalid"]
+
+
+@dataclass
+class Behaviour:
+    tokens: int = 0  # prompt tokens this child holds (its hit is this minus the local hit)
+    is_async: bool = False
+    pending_lookups: int = 0  # answer None this many times first
+    load: LoadOutcome = "ok"  # fail: request-level failed_recving; invalid: bad block ids
+    load_steps: int = 1  # async: worker steps until the load is reported
+    delay_free: bool = False  # request_finished returns True
+    send_steps: int = 1  # worker steps after the finish until finished_sending
+    params: dict[str, Any] | None = None  # kv_transfer_params from request_finished
+    raise_in: frozenset[str] = frozenset()  # method names that raise RuntimeError
+    break_zero_async: bool = False  # lookup returns (0, True)
+    break_rogue_recv: bool = False  # reports finished_recving for every allocation it sees
+    break_duplicate_recv: bool = False  # reports its receive twice
+    break_rogue_send: bool = False  # reports finished_sending without delaying
+
+
+@dataclass
+class Script:
+    default: Behaviour = field(default_factory=Behaviour)
+    per_request: dict[str, Behaviour] = field(default_factory=dict)
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
+    finished: Counter[str] = field(default_factory=Counter)
+
+    def behaviour(self, req_id: str) -> Behaviour:
+        return self.per_request.get(req_id, self.default)
+
+    def allocations(self, req_id: str) -> list[tuple[int, tuple[int, ...]]]:
+        """``(num_external_tokens, block ids)`` of every update_state_after_alloc call."""
+        return [(c[2], c[3]) for c in self.calls if c[0] == "alloc" and c[1] == req_id]
+
+    def lookups(self, req_id: str) -> int:
+        return sum(1 for c in self.calls if c[0] == "lookup" and c[1] == req_id)
+
+
+SCRIPTS: dict[str, Script] = {}
+
+
+def script(name: str, default: Behaviour | None = None, **per_request: Behaviour) -> Script:
+    """Create (or replace) the script named ``name``."""
+    SCRIPTS[name] = Script(default=default or Behaviour(), per_request=dict(per_request))
+    return SCRIPTS[name]
+
+
+def leaf(name: str, script_name: str | None = None, **fields: Any) -> dict[str, Any]:
+    """The canonical dict of a leaf node running the script ``script_name`` (default: name)."""
+    return {"kind": "leaf", "name": name, "connector": "ScriptedConnector",
+            "module_path": "kvcompose.testing.scripted",
+            "extra_config": {"script": script_name or name}, **fields}
+
+
+@dataclass
+class _Load:
+    tokens: int
+    is_async: bool
+    outcome: LoadOutcome
+    steps: int
+    block_ids: tuple[int, ...]
+    duplicate: bool
+
+
+@dataclass
+class ScriptedMetadata(KVConnectorMetadata):
+    loads: dict[str, _Load] = field(default_factory=dict)
+    sends: dict[str, int] = field(default_factory=dict)
+    allocated: tuple[str, ...] = ()
+
+
+class ScriptedConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        name = self._kv_transfer_config.get_from_extra_config("script", None)
+        self.script = SCRIPTS[name]
+        self._block_size = vllm_config.cache_config.block_size
+        # scheduler side
+        self._pending_seen: Counter[str] = Counter()
+        self._step = ScriptedMetadata()
+        # worker side
+        self._recv_timers: dict[str, tuple[int, _Load]] = {}
+        self._send_timers: dict[str, int] = {}
+        self._invalid: set[int] = set()
+        self._rogue: set[str] = set()
+
+    def _maybe_raise(self, method: str, req_id: str) -> None:
+        if method in self.script.behaviour(req_id).raise_in:
+            raise RuntimeError(f"scripted failure in {method} for {req_id}")
+
+    # ---------------------------------------------------------------- scheduler
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        self.script.calls.append(("lookup", req_id, num_computed_tokens))
+        self._maybe_raise("get_num_new_matched_tokens", req_id)
+        b = self.script.behaviour(req_id)
+        if self._pending_seen[req_id] < b.pending_lookups:
+            self._pending_seen[req_id] += 1
+            return None, False
+        if b.break_zero_async:
+            return 0, True
+        held = min(b.tokens, request.num_prompt_tokens - 1)
+        hit = held - num_computed_tokens
+        return (hit, b.is_async) if hit > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        req_id = request.request_id
+        block_ids = tuple(blocks.get_block_ids()[0]) if blocks is not None else ()
+        self.script.calls.append(("alloc", req_id, num_external_tokens, block_ids))
+        self._maybe_raise("update_state_after_alloc", req_id)
+        self._step.allocated += (req_id,)
+        if num_external_tokens > 0:
+            b = self.script.behaviour(req_id)
+            first = request.num_computed_tokens // self._block_size
+            count = -(-num_external_tokens // self._block_size)
+            self._step.loads[req_id] = _Load(num_external_tokens, b.is_async, b.load,
+                                             b.load_steps, block_ids[first:first + count],
+                                             b.break_duplicate_recv)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta, self._step = self._step, ScriptedMetadata()
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self.script.calls.append(("finished", req_id, tuple(block_ids)))
+        self.script.finished[req_id] += 1
+        self._pending_seen.pop(req_id, None)
+        self._maybe_raise("request_finished", req_id)
+        b = self.script.behaviour(req_id)
+        if b.delay_free or b.break_rogue_send:
+            self._step.sends[req_id] = b.send_steps
+        return b.delay_free, (dict(b.params) if b.params else None)
+
+    def live_requests(self) -> dict[str, Any]:
+        live: dict[str, Any] = {}
+        if self._recv_timers:
+            live["recv"] = sorted(self._recv_timers)
+        if self._send_timers:
+            live["send"] = sorted(self._send_timers)
+        return live
+
+    # ------------------------------------------------------------------- worker
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, ScriptedMetadata)
+        for req_id, load in connector_metadata.loads.items():
+            if load.is_async:
+                self._recv_timers[req_id] = (load.steps, load)
+            elif load.outcome != "ok":
+                self._invalid.update(load.block_ids[:1])
+        self._send_timers.update(connector_metadata.sends)
+        if any(self.script.behaviour(r).break_rogue_recv for r in connector_metadata.allocated):
+            self._rogue.update(connector_metadata.allocated)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        if self._rogue:  # signals this child should not send (reported a step late)
+            out.finished_recving |= self._rogue
+            self._rogue = set()
+        for req_id, (steps, load) in list(self._recv_timers.items()):
+            if steps > 1:
+                self._recv_timers[req_id] = (steps - 1, load)
+                continue
+            del self._recv_timers[req_id]
+            out.finished_recving.add(req_id)
+            if load.outcome == "fail":
+                out.failed_recving.add(req_id)
+            elif load.outcome == "invalid":
+                self._invalid.update(load.block_ids[:1])
+            if load.duplicate:
+                self._rogue.add(req_id)
+        for req_id, steps in list(self._send_timers.items()):
+            if steps > 1:
+                self._send_timers[req_id] = steps - 1
+                continue
+            del self._send_timers[req_id]
+            out.finished_sending.add(req_id)
+        return out
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._invalid = self._invalid, set()
+        return errors
