@@ -117,3 +117,14 @@ def public_members(cls: type) -> set[str]:
             continue
         names.update(n for n in vars(klass) if not n.startswith("_"))
     return names
+
+
+def markdown_table() -> str:
+    """The rule table as Markdown (``python -m kvcompose.rules`` prints it for the docs)."""
+    rows = ["| member | rule | what the composite does |", "|---|---|---|"]
+    rows += [f"| `{name}` | {rule.value} | {what} |" for name, (rule, what) in RULES.items()]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
