@@ -202,7 +202,7 @@ class ScriptedConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        return
+        self.script.calls.append(("wait_for_save",))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()

@@ -1,0 +1,39 @@
+"""Small builders for kvcompose trees in tests (canonical dict form, see ``kvcompose.spec``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcompose.spec import TREE_KEY
+
+
+def kvcompose_config(tree: dict[str, Any], *, strict: bool = False,
+                     **fields: Any) -> dict[str, Any]:
+    """A ``KVTransferConfig`` dict loading ``tree`` as the root ``KVCompose`` connector."""
+    return {"kv_connector": "KVCompose", "kv_connector_module_path": "kvcompose",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {TREE_KEY: tree, "strict": strict}, **fields}
+
+
+def multiconnector_config(*leaves: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """vLLM's own MultiConnector over the same leaves (the upstream baseline)."""
+    children = []
+    for leaf in leaves:
+        child = {"kv_connector": leaf["connector"], "kv_role": "kv_both",
+                 "kv_connector_extra_config": dict(leaf.get("extra_config", {}))}
+        if leaf.get("module_path"):
+            child["kv_connector_module_path"] = leaf["module_path"]
+        children.append(child)
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": children}, **fields}
+
+
+def chain(name: str, *children: dict[str, Any], policy: str = "first",
+          **fields: Any) -> dict[str, Any]:
+    return {"kind": "chain", "name": name, "policy": policy, "children": list(children),
+            **fields}
+
+
+def prompt(n: int, seed: int = 0, vocab: int = 1000) -> list[int]:
+    """A deterministic prompt of ``n`` token ids; different seeds share no prefix."""
+    return [(seed * 7919 + i * 31 + seed) % (vocab - 4) + 4 for i in range(n)]

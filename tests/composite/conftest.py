@@ -1,0 +1,27 @@
+"""Fixtures for composite tests on vLLM's real scheduler with scripted children."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+BLOCK = 16
+
+
+@pytest.fixture
+def harness(tiny_model: Any) -> Callable[..., Any]:
+    """``harness(kv_transfer_config, **kw)`` → a SchedulerHarness with a worker connector."""
+    from kvcompose.testing.harness import SchedulerHarness
+
+    made: list[Any] = []
+
+    def make(config: dict[str, Any], **kw: Any) -> Any:
+        kw.setdefault("block_size", BLOCK)
+        kw.setdefault("with_worker", True)
+        h = SchedulerHarness(tiny_model, config, **kw)
+        made.append(h)
+        return h
+
+    return make
