@@ -151,8 +151,7 @@ def greedy(
 def example_prompts(n: int = 2, length: int = 200, *, vocab_size: int = 1024) -> list[list[int]]:
     """Deterministic token-id prompts for the tiny model (word ids only)."""
     span = vocab_size - 4
-    return [[4 + (97 * k + 31 * i + (i * i) % 13) % span for i in range(length)]
-            for k in range(n)]
+    return [[4 + (97 * k + 31 * i + (i * i) % 13) % span for i in range(length)] for k in range(n)]
 
 
 def example_connector_config(storage: str | os.PathLike[str]) -> dict[str, Any]:
@@ -189,22 +188,28 @@ def smoke(model_dir: str | os.PathLike[str] | None = None, *, max_tokens: int = 
         with make_llm(model_dir, cfg) as llm:
             first = greedy(llm, prompts, max_tokens)
         files = stored_files(storage)
-        print(f"[smoke] run 1 (store): {len(files)} KV files written "
-              f"in {time.perf_counter() - t:.1f} s")
+        print(
+            f"[smoke] run 1 (store): {len(files)} KV files written "
+            f"in {time.perf_counter() - t:.1f} s"
+        )
         t = time.perf_counter()
         with make_llm(model_dir, cfg) as llm:
             outs = greedy(llm, prompts, max_tokens, return_outputs=True)
         second = [list(o.outputs[0].token_ids) for o in outs]
         cached = [o.num_cached_tokens for o in outs]
-        print(f"[smoke] run 2 (load):  fresh engine, {time.perf_counter() - t:.1f} s, "
-              f"cached prompt tokens per request: {cached}")
+        print(
+            f"[smoke] run 2 (load):  fresh engine, {time.perf_counter() - t:.1f} s, "
+            f"cached prompt tokens per request: {cached}"
+        )
     for i, (a, b) in enumerate(zip(first, second, strict=True)):
         print(f"[smoke] prompt {i}: run 1 {a}")
         print(f"[smoke] prompt {i}: run 2 {b}")
     ok = first == second and bool(files) and all(c > 0 for c in cached)
     verdict = "MATCH" if first == second else "MISMATCH"
-    print(f"[smoke] outputs {verdict}; KV loaded from the store: {all(c > 0 for c in cached)}; "
-          f"total {time.perf_counter() - t0:.1f} s")
+    print(
+        f"[smoke] outputs {verdict}; KV loaded from the store: {all(c > 0 for c in cached)}; "
+        f"total {time.perf_counter() - t0:.1f} s"
+    )
     return ok
 
 
@@ -212,8 +217,11 @@ def _main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m kvcompose.testing.engine")
-    ap.add_argument("--smoke", action="store_true",
-                    help="store with ExampleConnector, reload in a new engine, compare")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="store with ExampleConnector, reload in a new engine, compare",
+    )
     ap.add_argument("--model", default=None, help="model directory (default: the tiny model)")
     ap.add_argument("--max-tokens", type=int, default=8)
     args = ap.parse_args(argv)

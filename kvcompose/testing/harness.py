@@ -288,9 +288,7 @@ class SchedulerHarness:
             kv_out.finished_sending = set(kv_out.finished_sending or ()) | set(finished_sending)
             kv_out.finished_recving = set(kv_out.finished_recving or ()) | set(finished_recving)
             kv_out.failed_recving = set(kv_out.failed_recving or ()) | set(failed_recving)
-            kv_out.invalid_block_ids = set(kv_out.invalid_block_ids or ()) | set(
-                invalid_block_ids
-            )
+            kv_out.invalid_block_ids = set(kv_out.invalid_block_ids or ()) | set(invalid_block_ids)
         elif any((finished_sending, finished_recving, failed_recving, invalid_block_ids)):
             raise ValueError("completion sets given but the harness has no connector")
 
@@ -377,9 +375,7 @@ class SchedulerHarness:
         results: list[StepResult] = []
         while self.has_work():
             if len(results) >= max_steps:
-                raise HarnessStuck(
-                    f"still busy after {max_steps} steps: {self.describe()}"
-                )
+                raise HarnessStuck(f"still busy after {max_steps} steps: {self.describe()}")
             results.append(self.step())
         return results
 
@@ -462,10 +458,13 @@ class SchedulerHarness:
             problems.append(f"scheduler.deferred_frees not empty ({len(deferred_frees)})")
         free, usable = self.num_free_blocks(), self.num_usable_blocks()
         if free != usable:
-            problems.append(f"{usable - free} KV blocks not returned to the pool "
-                            f"({free} free of {usable})")
-        for label, conn in (("connector", self.connector), ("worker_connector",
-                                                            self.worker_connector)):
+            problems.append(
+                f"{usable - free} KV blocks not returned to the pool ({free} free of {usable})"
+            )
+        for label, conn in (
+            ("connector", self.connector),
+            ("worker_connector", self.worker_connector),
+        ):
             live = getattr(conn, "live_requests", None)
             if callable(live):
                 left = live()
@@ -554,9 +553,7 @@ def _make_kv_cache_configs(vllm_config: Any, num_blocks: int) -> tuple[Any, Any,
 
     sched_config = kcu.generate_scheduler_kv_cache_config(worker_configs)
     cache_config.num_gpu_blocks = sched_config.num_blocks
-    sched_block_size, hash_block_size = kcu.resolve_kv_cache_block_sizes(
-        sched_config, vllm_config
-    )
+    sched_block_size, hash_block_size = kcu.resolve_kv_cache_block_sizes(sched_config, vllm_config)
     resolve_align = getattr(kcu, "resolve_cache_hit_alignment_tokens", None)
     align = (
         resolve_align(sched_config, vllm_config, sched_block_size, hash_block_size)
