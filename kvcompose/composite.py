@@ -163,13 +163,20 @@ class CompositeConnector(KVConnectorBase_V1):
                      and now - record.pending_since >= self._lookup_timeout_s)
         candidates = self.policy.candidates(request)
         longest = self.policy.mode == "longest"
+        # what each child answered, kept only for the debug decision record
+        trace: list[str] | None = [] if logger.isEnabledFor(logging.DEBUG) else None
         best: tuple[int, int, bool] | None = None  # (child, tokens, async)
         pending = False
         timeouts: list[int] = []
         for child in candidates.children:
             if child in record.excluded:
+                if trace is not None:
+                    trace.append(f"{self.children[child].name}=excluded(failed)")
                 continue
             tokens, is_async = self._lookup_child(child, request, num_computed_tokens)
+            if trace is not None:
+                trace.append(f"{self.children[child].name}="
+                             f"{tokens}{'a' if is_async and tokens else ''}")
             if tokens is None:
                 if timed_out:
                     timeouts.append(child)
@@ -188,16 +195,20 @@ class CompositeConnector(KVConnectorBase_V1):
         for child in timeouts:
             self.counters.lookup_timeout(child)
         self.counters.lookup()
-        if best is None:
-            self.ledger.decide(record, None, 0, False, candidates.reason)
-            return 0, False
-        child, tokens, is_async = best
-        self.ledger.decide(record, child, tokens, is_async, candidates.reason)
-        self.counters.hit(child, tokens)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("kvcompose[%s] %s: owner %s, %d tokens, %s, by %s", self.name,
-                         request.request_id, self.children[child].name, tokens,
-                         "async" if is_async else "sync", candidates.reason)
+        reason = candidates.reason
+        if timeouts:
+            reason += "+deadline"
+        if record.excluded:
+            reason += "+fallback"
+        owner, tokens, is_async = best if best is not None else (None, 0, False)
+        self.ledger.decide(record, owner, tokens, is_async, reason)
+        if owner is not None:
+            self.counters.hit(owner, tokens)
+        if trace is not None:
+            logger.debug("kvcompose[%s] %s: asked [%s] → owner %s, %d tokens%s, by %s",
+                         self.name, request.request_id, ", ".join(trace),
+                         "none" if owner is None else self.children[owner].name, tokens,
+                         " async" if is_async else "", reason)
         return tokens, is_async
 
     def _lookup_child(self, child: int, request: Request, num_computed_tokens: int

@@ -134,32 +134,71 @@ class ComposedStats(KVConnectorStats):
         return True
 
 
+#: kvcompose's own Prometheus counters: (counter key prefix, metric name, extra labels, help).
+PROM_COUNTERS = (
+    ("lookups", "vllm:kvcompose_lookups", (), "Lookups decided by a kvcompose node."),
+    ("hits", "vllm:kvcompose_hits", ("child",), "Loads a kvcompose node gave to a child."),
+    ("hit_tokens", "vllm:kvcompose_hit_tokens", ("child",),
+     "Tokens a kvcompose node's children were chosen to load."),
+    ("lookup_timeouts", "vllm:kvcompose_lookup_timeouts", ("child",),
+     "Children still answering None at a kvcompose node's lookup deadline."),
+    ("violations", "vllm:kvcompose_contract_violations", ("child", "kind"),
+     "vLLM connector-contract violations by a kvcompose node's children."),
+    ("errors", "vllm:kvcompose_child_errors", ("child", "where"),
+     "Exceptions raised by a kvcompose node's children."),
+)
+
+
+def split_counter(key: str) -> tuple[str, tuple[str, ...]]:
+    """``"hits.ram"`` → ``("hits", ("ram",))``; ``"violations.ram.zero_async"`` →
+    ``("violations", ("ram", "zero_async"))``."""
+    prefix, _, rest = key.partition(".")
+    if not rest:
+        return prefix, ()
+    if prefix in ("violations", "errors"):
+        child, _, kind = rest.rpartition(".")
+        return prefix, (child, kind)
+    return prefix, (rest,)
+
+
 class ComposedPromMetrics(KVConnectorPromMetrics):
-    """Children's own Prometheus metrics, one set per child class (registered once even when
-    several nodes share a class), fed with each node's data."""
+    """kvcompose's counters with a ``node`` label (plus ``child``/``kind`` where they apply),
+    and the children's own metrics, one set per child class (registered once even when
+    several nodes share a class), each fed with its node's data."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]],
                  by_class: dict[str, KVConnectorPromMetrics]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._by_class = by_class
+        self._counters = {
+            prefix: self._counter_cls(name=name, documentation=doc,
+                                      labelnames=[*labelnames, "node", *extra])
+            for prefix, name, extra, doc in PROM_COUNTERS}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         self._observe(transfer_stats_data, engine_idx)
 
     def _observe(self, data: dict[str, Any], engine_idx: int) -> None:
+        engine_labels = self.per_engine_labelvalues[engine_idx]
+        node = data.get("node") or ""
+        for key, value in data.get("counters", {}).items():
+            prefix, extra = split_counter(key)
+            counter = self._counters.get(prefix)
+            if counter is not None and value:
+                counter.labels(*engine_labels, node, *extra).inc(value)
         for entry in data.get("children", {}).values():
             metrics = self._by_class.get(entry["cls"])
             if metrics is not None:
                 metrics.observe(entry["data"], engine_idx)
-            elif "children" in entry["data"]:  # a nested composite
+            elif "counters" in entry["data"]:  # a nested composite
                 self._observe(entry["data"], engine_idx)
 
 
 def build_composed_prom_metrics(cls: type, vllm_config: Any, metric_types: dict[type, type],
                                 labelnames: list[str],
                                 per_engine_labelvalues: dict[int, list[object]]
-                                ) -> ComposedPromMetrics | None:
+                                ) -> ComposedPromMetrics:
     from kvcompose.composite import CompositeConnector
 
     by_class: dict[str, KVConnectorPromMetrics] = {}
@@ -178,7 +217,5 @@ def build_composed_prom_metrics(cls: type, vllm_config: Any, metric_types: dict[
                 by_class[path] = metrics
 
     visit(cls, vllm_config)
-    if not by_class:
-        return None
     return ComposedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
                                by_class)
