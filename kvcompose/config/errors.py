@@ -1,0 +1,118 @@
+"""One-line config errors that name the path in the file (and the line, when known)."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Path = tuple[str | int, ...]
+
+
+def format_path(path: Sequence[str | int]) -> str:
+    """``("tree", "chain", "children", 1, "leaf")`` -> ``tree.chain.children[1].leaf``."""
+    out = ""
+    for part in path:
+        if isinstance(part, int) and not isinstance(part, bool):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def did_you_mean(word: Any, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` or an empty string."""
+    if not isinstance(word, str):
+        return ""
+    choices = list(choices)
+    matches = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if not matches:
+        lowered = {c.lower(): c for c in choices}
+        if word.lower() in lowered:
+            matches = [lowered[word.lower()]]
+    return f" (did you mean {matches[0]!r}?)" if matches else ""
+
+
+@dataclass(frozen=True)
+class ErrorItem:
+    """One problem: where (``path`` inside the document) and what (``message``)."""
+
+    path: Path
+    message: str
+    line: int | None = None
+
+    def render(self, label: str | None = None) -> str:
+        where = format_path(self.path)
+        head = ""
+        if label:
+            head = f"{label}:{self.line}: " if self.line else f"{label}: "
+        elif self.line:
+            head = f"line {self.line}: "
+        return f"{head}{where}: {self.message}" if where else f"{head}{self.message}"
+
+
+class ConfigError(ValueError):
+    """A config problem, rendered as one line: ``file:line: path: message``.
+
+    ``items`` holds every problem found (the message shows the first and counts the rest);
+    ``label`` is the file name or another description of where the config came from.
+    """
+
+    def __init__(self, items: ErrorItem | Sequence[ErrorItem] | str, label: str | None = None):
+        if isinstance(items, str):
+            items = [ErrorItem((), items)]
+        elif isinstance(items, ErrorItem):
+            items = [items]
+        self.items: tuple[ErrorItem, ...] = tuple(items)
+        self.label = label
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        if not self.items:
+            return f"{self.label}: invalid config" if self.label else "invalid config"
+        first = self.items[0].render(self.label)
+        more = len(self.items) - 1
+        if more:
+            first += f" (and {more} more problem{'s' if more > 1 else ''})"
+        return " ".join(first.split("\n"))
+
+    @property
+    def lines(self) -> list[str]:
+        """Every problem, one line each."""
+        return [item.render(self.label) for item in self.items]
+
+    def relabel(self, label: str | None) -> ConfigError:
+        return ConfigError(self.items, label)
+
+    def with_lines(self, linemap: Mapping[Path, int] | None) -> ConfigError:
+        if not linemap:
+            return self
+        return ConfigError([ErrorItem(i.path, i.message, i.line or line_for(linemap, i.path))
+                            for i in self.items], self.label)
+
+
+def line_for(linemap: Mapping[Path, int] | None, path: Path) -> int | None:
+    """The line of ``path``, or of its nearest ancestor that the map knows."""
+    if not linemap:
+        return None
+    path = tuple(path)
+    while True:
+        if path in linemap:
+            return linemap[path]
+        if not path:
+            return None
+        path = path[:-1]
+
+
+def describe(value: Any) -> str:
+    """A short description of a value for "got ..." messages."""
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             list: "a list", tuple: "a list", dict: "a mapping", type(None): "null"}
+    kind = names.get(type(value), type(value).__name__)
+    if isinstance(value, (bool, int, float)) or value is None:
+        return f"{kind} ({value!r})" if value is not None else kind
+    if isinstance(value, str):
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        return f"{kind} ({shown!r})"
+    return kind

@@ -1,0 +1,255 @@
+"""vLLM MultiConnector JSON <-> kvcompose documents.
+
+MultiConnector's ``--kv-transfer-config`` is ``{"kv_connector": "MultiConnector", "kv_role":
+..., "kv_connector_extra_config": {"connectors": [<child KVTransferConfig>, ...]}}``: a flat
+list, first hit loads, every child saves. It becomes a ``chain`` with ``policy: first`` whose
+leaves are named after their connectors (``NixlConnector``, ``ExampleConnector``,
+``ExampleConnector-2``, ...). A nested MultiConnector child becomes a nested chain.
+
+Going back is possible when the tree is that shape: a ``first`` chain of leaves that all save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvcompose.config.errors import ConfigError, ErrorItem, Path, describe, did_you_mean, line_for
+from kvcompose.config.schema import (
+    KNOWN_KV_TRANSFER_FIELDS,
+    OWN_FIELDS,
+    TRANSFER_FIELDS,
+)
+from kvcompose.config.source import Source
+from kvcompose.spec import DEFAULT_LOOKUP_TIMEOUT_S, ChainSpec, LeafSpec
+
+EXTRA = "kv_connector_extra_config"
+MULTI = "MultiConnector"
+COMPAT_MODULE = "kvcompose.compat"
+
+_TO_LEAF = {"kv_connector": "connector", "kv_connector_module_path": "module_path",
+            "kv_connector_extra_config": "extra_config"}
+_FROM_LEAF = {v: k for k, v in _TO_LEAF.items()}
+
+
+def kv_transfer_fields() -> tuple[str, ...]:
+    """KVTransferConfig's fields: vLLM's own list when vLLM is imported, else ours."""
+    import sys
+
+    module = sys.modules.get("vllm.config.kv_transfer")
+    if module is not None:
+        import dataclasses
+
+        try:
+            return tuple(f.name for f in dataclasses.fields(module.KVTransferConfig))
+        except TypeError:  # pragma: no cover
+            pass
+    return KNOWN_KV_TRANSFER_FIELDS
+
+
+def document_from_multiconnector(data: Mapping[str, Any], translate: Any, src: Source
+                                 ) -> tuple[dict[str, Any], Any]:
+    """A kvcompose document from MultiConnector JSON (the whole ``--kv-transfer-config``
+    or just its extra config), and a function mapping document paths back to JSON paths."""
+
+    prefix: Path = (EXTRA,) if "kv_connector" in data else ()
+
+    def back(path: Path) -> Path:
+        return translate(_translate(path, prefix))
+
+    def fail(path: Path, message: str) -> ConfigError:
+        real = back(path)
+        return ConfigError(ErrorItem(real, message, line_for(src.linemap, real)), src.label)
+
+    fields = kv_transfer_fields()
+    doc: dict[str, Any] = {}
+    if "kv_connector" in data:
+        for key in data:
+            if key not in fields:
+                raise fail((key,), f"unknown KVTransferConfig key {key!r}"
+                                   f"{did_you_mean(key, fields)}")
+        for key, value in data.items():
+            if key not in OWN_FIELDS:
+                _put_field(doc, key, value)
+        extra = data.get(EXTRA)
+        if not isinstance(extra, Mapping) or "connectors" not in extra:
+            real = translate(prefix)
+            raise ConfigError(ErrorItem(real, "expected a mapping with 'connectors', got "
+                                        f"{describe(extra)}", line_for(src.linemap, real)),
+                              src.label)
+    else:
+        extra = data
+        for key in data:
+            if key in TRANSFER_FIELDS or key == "transfer_config":
+                _put_field(doc, key, data[key])
+            elif key != "connectors":
+                raise fail((key,), f"unknown key {key!r}"
+                                   f"{did_you_mean(key, ['connectors', *TRANSFER_FIELDS])}")
+    doc["tree"] = _chain(extra, fields, fail)
+    return doc, back
+
+
+def _put_field(doc: dict[str, Any], key: str, value: Any) -> None:
+    if key in TRANSFER_FIELDS or key == "transfer_config":
+        doc[key] = value
+    else:  # a KVTransferConfig field this schema does not know
+        doc.setdefault("transfer_config", {})[key] = value
+
+
+def _chain(extra: Mapping[str, Any], fields: tuple[str, ...], fail: Any) -> dict[str, Any]:
+    connectors = extra.get("connectors")
+    if not isinstance(connectors, list):
+        raise fail(("tree", "chain", "children"),
+                   f"expected a list of connector configs, got {describe(connectors)}")
+    if not connectors:
+        raise fail(("tree", "chain", "children"), "is empty: a MultiConnector needs at least "
+                                                  "one connector")
+    children = []
+    for index, child in enumerate(connectors):
+        here: Path = ("tree", "chain", "children", index, "leaf")
+        if not isinstance(child, Mapping):
+            raise fail(here[:-1], f"expected a connector config (a mapping), got "
+                                  f"{describe(child)}")
+        if "kv_connector" not in child:
+            raise fail(here[:-1], "missing required key 'kv_connector'")
+        for key in child:
+            if key not in fields:
+                raise fail((*here, _TO_LEAF.get(key, key)),
+                           f"unknown KVTransferConfig key {key!r}{did_you_mean(key, fields)}")
+        if child.get("kv_connector") == MULTI and child.get("kv_connector_module_path") in (
+                None, COMPAT_MODULE):
+            nested = child.get(EXTRA)
+            if not isinstance(nested, Mapping):
+                raise fail(here[:-1], "a nested MultiConnector needs "
+                                      "kv_connector_extra_config.connectors")
+            sub = _chain(nested, fields, lambda p, m, i=index: fail(
+                ("tree", "chain", "children", i, *p[1:]), m))
+            children.append(sub)
+            continue
+        leaf: dict[str, Any] = {}
+        for key, value in child.items():
+            if key in _TO_LEAF:
+                if value is not None and value != {}:
+                    leaf[_TO_LEAF[key]] = value
+            else:
+                _put_field(leaf, key, value)
+        children.append({"leaf": leaf})
+    return {"chain": {"policy": "first", "children": children}}
+
+
+def _translate(path: Path, prefix: Path) -> Path:
+    """``tree.chain.children[i].leaf.connector`` -> ``connectors[i].kv_connector``."""
+    if path[:2] != ("tree", "chain"):
+        if path[:1] == ("tree",):
+            return (*prefix, "connectors")
+        return path
+    out = prefix
+    rest = path[2:]
+    while rest:
+        if rest[0] != "children":
+            return out
+        out = (*out, "connectors")
+        if len(rest) < 2:
+            return out
+        out = (*out, rest[1])
+        rest = rest[2:]
+        if not rest:
+            return out
+        if rest[0] == "chain":
+            out = (*out, EXTRA)
+            rest = rest[1:]
+            continue
+        rest = rest[1:]  # "leaf"
+        if not rest:
+            return out
+        key = rest[0]
+        if key == "transfer_config":
+            return out + tuple(rest[1:2])
+        return (*out, _FROM_LEAF.get(key, key), *rest[1:])
+    return out
+
+
+# --------------------------------------------------------------------------- and back
+
+
+def multiconnector_from_config(config: Any, *, compat: bool = False) -> tuple[dict[str, Any],
+                                                                              list[str]]:
+    """vLLM MultiConnector ``--kv-transfer-config`` for a flat tree, and notes.
+
+    ``compat``: load it as ``kvcompose.compat.MultiConnector`` (kvcompose semantics with
+    MultiConnector's JSON; per-leaf ``engine_id`` works) instead of vLLM's own class.
+    Raises ``ConfigError`` when the tree cannot be expressed.
+    """
+    tree = config.tree
+    target = "kvcompose.compat.MultiConnector" if compat else "vLLM's MultiConnector"
+    notes: list[str] = []
+
+    def nope(name: str, why: str) -> ConfigError:
+        info = config.nodes.get(name)
+        return config.error(info.path if info else (), f"cannot convert to {target}: {why}")
+
+    if not isinstance(tree, ChainSpec) or tree.policy != "first":
+        what = f"a {tree.policy!r} chain" if isinstance(tree, ChainSpec) else f"a {tree.kind}"
+        raise nope(tree.name, f"the root is {what}; only a 'first' chain of leaves is flat")
+    if not compat and tree.lookup_timeout_s != DEFAULT_LOOKUP_TIMEOUT_S:
+        raise nope(tree.name, "MultiConnector has no lookup timeout")
+    if not tree.save:
+        raise nope(tree.name, "MultiConnector always saves")
+    top = dict(config.transfer)
+    if "kv_role" not in top:
+        raise config.error(("kv_role",), "required: vLLM needs kv_role at the top level")
+    children = []
+    for child in tree.children:
+        if not isinstance(child, LeafSpec):
+            raise nope(child.name, f"{child.kind} {child.name!r} is nested; only leaves are "
+                                   "flat (use kvcompose's KVCompose form)")
+        if not child.save:
+            raise nope(child.name, f"leaf {child.name!r} has save: false, but every "
+                                   "MultiConnector child saves")
+        own = dict(child.transfer_config)
+        if not compat and "engine_id" in own and own.get("engine_id") != top.get("engine_id"):
+            raise nope(child.name, f"leaf {child.name!r} sets its own engine_id, which makes "
+                                   "vLLM's MultiConnector raise TypeError (pass --compat)")
+        entry: dict[str, Any] = {"kv_connector": child.connector}
+        if child.module_path:
+            entry["kv_connector_module_path"] = child.module_path
+        # vLLM's MultiConnector does not pass the parent's fields down: spell them out.
+        for key, value in own.items():
+            if key == "engine_id" and not compat:
+                continue  # MultiConnector passes the parent's engine_id itself
+            entry[key] = value
+        if child.extra_config:
+            entry[EXTRA] = dict(child.extra_config)
+        if child.on_error != "miss" and not compat:
+            notes.append(f"leaf {child.name!r}: on_error is a kvcompose setting; "
+                         "vLLM's MultiConnector lets every error through")
+        children.append(entry)
+    out: dict[str, Any] = {"kv_connector": MULTI}
+    if compat:
+        out["kv_connector_module_path"] = COMPAT_MODULE
+    out.update(top)
+    out[EXTRA] = {"connectors": children}
+    if not compat and any(leaf.on_error == "miss" for leaf in tree.children):
+        notes.append("vLLM's MultiConnector has no on_error policy: a child's error reaches "
+                     "vLLM (kvcompose treats it as a miss)")
+    return out, notes
+
+
+def document_notes(data: Mapping[str, Any], doc: Mapping[str, Any]) -> list[str]:
+    """What changes when a MultiConnector config is read by kvcompose: children now inherit
+    the top-level fields they do not set."""
+    notes = []
+    extra = data.get(EXTRA) if "kv_connector" in data else data
+    top = {k: v for k, v in data.items() if k in TRANSFER_FIELDS and k != "engine_id"}
+    if not isinstance(extra, Mapping):
+        return notes
+    for index, child in enumerate(extra.get("connectors") or ()):
+        if not isinstance(child, Mapping):
+            continue
+        gained = sorted(k for k in top if k not in child)
+        if gained:
+            name = child.get("kv_connector", f"connectors[{index}]")
+            notes.append(f"connectors[{index}] ({name}) now inherits "
+                         + ", ".join(f"{k}={top[k]!r}" for k in gained)
+                         + " (vLLM's MultiConnector did not pass it down)")
+    return notes

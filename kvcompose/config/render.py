@@ -1,0 +1,173 @@
+"""Writing configs out: vLLM arguments, YAML documents, documents from specs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from typing import Any
+
+import yaml
+
+from kvcompose.config.load import Config
+from kvcompose.config.schema import TRANSFER_FIELDS, VERSION
+from kvcompose.spec import ChainSpec, FanoutSpec, LeafSpec, NodeSpec, RouteSpec
+
+#: How vLLM loads the composite (``kvcompose`` resolves the class lazily).
+MODULE_PATH = "kvcompose"
+
+
+def composite_class(config: Config) -> str:
+    """``KVComposeHMA`` when HMA is required, or wanted and every leaf supports it (known only
+    when vLLM was checked); else ``KVCompose``, for which vLLM turns HMA off."""
+    if config.hma is True:
+        return "KVComposeHMA"
+    if config.hma is None and config.facts is not None and config.facts.all_hma:
+        return "KVComposeHMA"
+    return "KVCompose"
+
+
+def vllm_args(config: Config, *, by_path: bool = False, module_path: bool = True
+              ) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` dict that loads ``config`` as a KVCompose connector.
+
+    The tree goes inline (``{"version": 1, "tree": ...}``), or with ``by_path`` as
+    ``{"config": "/abs/path.yaml"}`` (the file must then exist where vLLM runs). Top-level
+    KVTransferConfig fields go to the top of the vLLM config, where leaves inherit them.
+    ``module_path=False`` omits ``kv_connector_module_path`` (relies on the vLLM plugin).
+    """
+    transfer = dict(config.transfer)
+    if "kv_role" not in transfer:
+        raise config.error(("kv_role",), "required to start vLLM: set kv_role at the top of "
+                                         "the config (kv_producer, kv_consumer or kv_both)")
+    out: dict[str, Any] = {"kv_connector": composite_class(config)}
+    if module_path:
+        out["kv_connector_module_path"] = MODULE_PATH
+    for key in TRANSFER_FIELDS:
+        if key in transfer:
+            out[key] = transfer.pop(key)
+    out.update(transfer)  # fields from transfer_config
+    if by_path:
+        if not config.path:
+            raise config.error((), "this config does not come from a file: print it inline")
+        extra: dict[str, Any] = {"config": os.path.abspath(config.path)}
+    else:
+        document = config.document or document_from_tree(config.tree)
+        extra = {"version": document.get("version", VERSION)}
+        if "hma" in document:
+            extra["hma"] = document["hma"]
+        extra["tree"] = document["tree"]
+    out["kv_connector_extra_config"] = extra
+    return out
+
+
+def to_json(data: Any) -> str:
+    return json.dumps(data, separators=(",", ":"), sort_keys=False)
+
+
+def shell_arg(data: dict[str, Any]) -> str:
+    return f"--kv-transfer-config {shlex.quote(to_json(data))}"
+
+
+def python_form(data: dict[str, Any]) -> str:
+    """``KVTransferConfig(...)`` source text for the same config."""
+    args = ",\n".join(f"    {key}={_pyjson(value, 4)}" for key, value in data.items())
+    return ("from vllm.config import KVTransferConfig\n\n"
+            f"kv_transfer_config = KVTransferConfig(\n{args},\n)")
+
+
+def _pyjson(value: Any, indent: int) -> str:
+    pad = " " * (indent + 4)
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        items = ",\n".join(f"{pad}{k!r}: {_pyjson(v, indent + 4)}" for k, v in value.items())
+        return "{\n" + items + ",\n" + " " * indent + "}"
+    if isinstance(value, list):
+        if not value:
+            return "[]"
+        items = ",\n".join(f"{pad}{_pyjson(v, indent + 4)}" for v in value)
+        return "[\n" + items + ",\n" + " " * indent + "]"
+    return repr(value)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style for structure, flow style for short leaves' small mappings."""
+
+
+def _represent_dict(dumper: yaml.SafeDumper, data: dict) -> yaml.Node:
+    return dumper.represent_mapping("tag:yaml.org,2002:map", data.items())
+
+
+_Dumper.add_representer(dict, _represent_dict)
+
+
+def to_yaml(data: Any, header: str | None = None) -> str:
+    text = yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                     allow_unicode=True, width=100)
+    if header:
+        text = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + text
+    return text
+
+
+def document_from_tree(tree: NodeSpec, transfer: dict[str, Any] | None = None
+                       ) -> dict[str, Any]:
+    """A user-format document for a spec (the inverse of loading it). Fields of a leaf's
+    ``transfer_config`` equal to ``transfer`` (the top level) are left to inheritance."""
+    transfer = dict(transfer or {})
+    doc: dict[str, Any] = {"version": VERSION}
+    for key, value in transfer.items():
+        if key in TRANSFER_FIELDS:
+            doc[key] = value
+        else:
+            doc.setdefault("transfer_config", {})[key] = value
+    doc["tree"] = _node(tree, transfer)
+    return doc
+
+
+def _node(node: NodeSpec, transfer: dict[str, Any]) -> dict[str, Any]:
+    common: dict[str, Any] = {}
+    if not node.save:
+        common["save"] = False
+    if node.on_error != "miss":
+        common["on_error"] = node.on_error
+    if isinstance(node, LeafSpec):
+        body: dict[str, Any] = {"name": node.name, "connector": node.connector}
+        if node.module_path:
+            body["module_path"] = node.module_path
+        for key, value in node.transfer_config.items():
+            if key in transfer and transfer[key] == value:
+                continue
+            if key in TRANSFER_FIELDS:
+                body[key] = value
+            else:
+                body.setdefault("transfer_config", {})[key] = value
+        if node.extra_config:
+            body["extra_config"] = dict(node.extra_config)
+        body.update(common)
+        return {"leaf": body}
+    body = {"name": node.name}
+    if isinstance(node, ChainSpec):
+        body["policy"] = node.policy
+    elif isinstance(node, FanoutSpec):
+        body["load_from"] = node.load_from
+    elif isinstance(node, RouteSpec):
+        body["default"] = node.default
+        if node.rules:
+            rules = []
+            for rule in node.rules:
+                entry: dict[str, Any] = {}
+                if rule.param is not None:
+                    entry["param"] = rule.param
+                if rule.has_equals:
+                    entry["equals"] = rule.equals
+                for key in ("min_prompt_tokens", "max_prompt_tokens", "predicate"):
+                    if getattr(rule, key) is not None:
+                        entry[key] = getattr(rule, key)
+                entry["child"] = rule.child
+                rules.append(entry)
+            body["rules"] = rules
+    body["lookup_timeout_s"] = node.lookup_timeout_s
+    body.update(common)
+    body["children"] = [_node(child, transfer) for child in node.children]
+    return {node.kind: body}

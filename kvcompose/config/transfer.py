@@ -1,0 +1,44 @@
+"""Per-child ``KVTransferConfig`` dicts: what a leaf inherits from the composite's config.
+
+Upstream MultiConnector hands each child only what the child's dict says (plus the engine
+id), so ``kv_buffer_device``, ``kv_load_failure_policy``, ... silently fall back to vLLM's
+defaults. kvcompose children inherit every field the parent sets and override what they set
+themselves. No vLLM import: the parent may be a plain dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from kvcompose.config.schema import OWN_FIELDS
+from kvcompose.spec import LeafSpec
+
+
+def transfer_dict(config: Any) -> dict[str, Any]:
+    """A ``KVTransferConfig`` (or any dataclass, or a mapping) as a shallow dict."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    raise TypeError(f"expected a mapping or a KVTransferConfig, got {type(config).__name__}")
+
+
+def child_transfer_config(parent: Mapping[str, Any] | Any, leaf: LeafSpec) -> dict[str, Any]:
+    """The keyword arguments for the child's ``KVTransferConfig(**d)``.
+
+    Every field the parent sets (``None`` counts as unset) except ``kv_connector``,
+    ``kv_connector_module_path`` and ``kv_connector_extra_config``; then the leaf's
+    ``transfer_config`` on top; then the leaf's connector, module path and extra config.
+    """
+    parent = transfer_dict(parent)
+    out = {key: value for key, value in parent.items()
+           if key not in OWN_FIELDS and value is not None and not key.startswith("_")}
+    for key, value in leaf.transfer_config.items():
+        if key not in OWN_FIELDS:
+            out[key] = value
+    out["kv_connector"] = leaf.connector
+    out["kv_connector_module_path"] = leaf.module_path
+    out["kv_connector_extra_config"] = dict(leaf.extra_config)
+    return out

