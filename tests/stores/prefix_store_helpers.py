@@ -1,0 +1,101 @@
+"""Engine helpers for the PrefixStoreConnector engine tests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvcompose.testing.engine import make_llm, sampling_params
+
+#: The CPU attention backend needs block sizes that are multiples of 32 (16 is rejected;
+#: the CPU default is 128).
+BLOCK_SIZE = 32
+
+
+def store_config(store: dict[str, Any], **top: Any) -> dict[str, Any]:
+    """The dict form of a KVTransferConfig loading PrefixStoreConnector."""
+    return {
+        "kv_connector": "PrefixStoreConnector",
+        "kv_connector_module_path": "kvcompose.stores",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": store,
+        **top,
+    }
+
+
+@contextlib.contextmanager
+def store_engine(
+    model_dir: Path,
+    store: dict[str, Any] | None,
+    *,
+    enable_prefix_caching: bool = False,
+    **top: Any,
+) -> Iterator[Any]:
+    """A single-process CPU engine (block size 32) with a PrefixStoreConnector, or none."""
+    cfg = store_config(store, **top) if store is not None else None
+    with make_llm(
+        model_dir, cfg, block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching
+    ) as llm:
+        yield llm
+
+
+def run(
+    llm: Any,
+    requests: Sequence[tuple[str, Sequence[int]]],
+    *,
+    max_tokens: int = 8,
+    on_step: Callable[[Any], None] | None = None,
+) -> dict[str, Any]:
+    """Greedy-generate ``(request_id, prompt_token_ids)`` pairs; returns id -> RequestOutput.
+
+    Drives ``llm.llm_engine`` step by step, so the test chooses the request ids (fault
+    injection matches them) and can look at the scheduler after every step.
+    """
+    from vllm.inputs import TokensPrompt
+
+    eng = llm.llm_engine
+    for req_id, tokens in requests:
+        eng.add_request(
+            req_id, TokensPrompt(prompt_token_ids=list(tokens)), sampling_params(max_tokens)
+        )
+    outputs: dict[str, Any] = {}
+    for _ in range(10_000):
+        if not eng.has_unfinished_requests():
+            return outputs
+        for out in eng.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        if on_step is not None:
+            on_step(llm)
+    raise AssertionError("engine did not finish")
+
+
+def ids(out: Any) -> list[int]:
+    return list(out.outputs[0].token_ids)
+
+
+def _worker_total_stats(worker: Any) -> dict[str, Any]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return dict(get_kv_transfer_group().total_stats.data)
+
+
+def worker_stats(llm: Any) -> dict[str, Any]:
+    """Cumulative PrefixStoreConnector counters of the (single) worker."""
+    return llm.collective_rpc(_worker_total_stats)[0]
+
+
+def scheduler(llm: Any) -> Any:
+    """The scheduler of a single-process engine."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def statuses(llm: Any) -> dict[str, str]:
+    """Request id (without vLLM's random suffix) -> scheduler status name."""
+    return {rid.rsplit("-", 1)[0]: req.status.name for rid, req in scheduler(llm).requests.items()}
+
+
+def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    return {k: after[k] - before.get(k, 0) for k in after}
