@@ -101,7 +101,7 @@ class CompositeConnector(KVConnectorBase_V1):
         self.counters = NodeCounters([c.name for c in self.children])
         self.guard = Guard(self.name, [c.name for c in self.children], strict=self.strict,
                            on_error=[c.spec.on_error for c in self.children],
-                           interval=self.counters)
+                           count=self.counters.inc)
         self._lookup_timeout_s = self.spec.lookup_timeout_s
         # scheduler side
         self.ledger = Ledger()
@@ -133,6 +133,13 @@ class CompositeConnector(KVConnectorBase_V1):
                 if nested:
                     tables[child.name] = nested
         return tables
+
+    def stats_totals(self) -> dict[str, Any]:
+        """Counters since start for this node and its composite descendants:
+        ``{"node": name, "counters": {...}, "children": {name: {...}}}``."""
+        nested = {c.name: c.connector.stats_totals() for c in self.children
+                  if isinstance(c.connector, CompositeConnector)}
+        return {"node": self.name, "counters": dict(self.counters.totals), "children": nested}
 
     def ownership(self) -> dict[str, dict[str, object]]:
         """The live ownership table: request id → state, owner (child name), tokens, reason."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("kvcompose")
@@ -30,9 +31,9 @@ class Guard:
     """Violation and error bookkeeping for one composite node's children."""
 
     def __init__(self, node_name: str, child_names: list[str], *, strict: bool,
-                 on_error: list[str], interval: Counter[str] | None = None) -> None:
+                 on_error: list[str], count: Callable[[str], None] | None = None) -> None:
         self.node_name = node_name
-        self.interval = interval if interval is not None else Counter()
+        self._count = count or (lambda key: None)
         self.child_names = child_names
         self.strict = strict
         self.on_error = on_error
@@ -45,7 +46,7 @@ class Guard:
         key = (name, kind)
         first = key not in self.violations
         self.violations[key] += 1
-        self.interval[f"violations.{name}.{kind}"] += 1
+        self._count(f"violations.{name}.{kind}")
         message = (f"kvcompose[{self.node_name}]: child {name!r} broke the contract "
                    f"({kind}): {detail}")
         if self.strict:
@@ -80,7 +81,7 @@ class Guard:
         key = (name, f"{where}:{type(exc).__name__}")
         first = key not in self.errors
         self.errors[key] += 1
-        self.interval[f"errors.{name}.{where}"] += 1
+        self._count(f"errors.{name}.{where}")
         if self.on_error[child] == "fail" or self.strict:
             raise exc
         if first:

@@ -28,27 +28,33 @@ if TYPE_CHECKING:
     from kvcompose.composite import CompositeConnector
 
 
-class NodeCounters(Counter[str]):
-    """Interval counters of one node (drained each time stats are collected)."""
+class NodeCounters:
+    """A node's counters: ``interval`` (drained each time vLLM collects stats) and
+    ``totals`` (since start, for the Python API and tests)."""
 
     def __init__(self, child_names: list[str]) -> None:
-        super().__init__()
         self.child_names = child_names
+        self.interval: Counter[str] = Counter()
+        self.totals: Counter[str] = Counter()
+
+    def inc(self, key: str, n: int = 1) -> None:
+        self.interval[key] += n
+        self.totals[key] += n
 
     def lookup(self) -> None:
-        self["lookups"] += 1
+        self.inc("lookups")
 
     def hit(self, child: int, tokens: int) -> None:
         name = self.child_names[child]
-        self[f"hits.{name}"] += 1
-        self[f"hit_tokens.{name}"] += tokens
+        self.inc(f"hits.{name}")
+        self.inc(f"hit_tokens.{name}", tokens)
 
     def lookup_timeout(self, child: int) -> None:
-        self[f"lookup_timeouts.{self.child_names[child]}"] += 1
+        self.inc(f"lookup_timeouts.{self.child_names[child]}")
 
     def drain(self) -> dict[str, int]:
-        out = dict(self)
-        self.clear()
+        out = dict(self.interval)
+        self.interval.clear()
         return out
 
 

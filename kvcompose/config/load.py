@@ -529,7 +529,7 @@ _RULE_ORDER = ("param", "equals", "min_prompt_tokens", "max_prompt_tokens", "pre
 
 def _dump_document(doc: Document, walked: list[_Walked]) -> dict[str, Any]:
     out: dict[str, Any] = {"version": doc.version}
-    for key in (*TRANSFER_FIELDS, "transfer_config", "hma"):
+    for key in (*TRANSFER_FIELDS, "transfer_config", "hma", "strict"):
         if key in doc.model_fields_set:
             out[key] = _plain(getattr(doc, key))
     out["tree"] = _dump_node(walked[0], walked)

@@ -47,15 +47,18 @@ def vllm_args(config: Config, *, by_path: bool = False, module_path: bool = True
         if key in transfer:
             out[key] = transfer.pop(key)
     out.update(transfer)  # fields from transfer_config
+    document = config.document or document_from_tree(config.tree)
     if by_path:
         if not config.path:
             raise config.error((), "this config does not come from a file: print it inline")
         extra: dict[str, Any] = {"config": os.path.abspath(config.path)}
     else:
-        document = config.document or document_from_tree(config.tree)
         extra = {"version": document.get("version", VERSION)}
         if "hma" in document:
             extra["hma"] = document["hma"]
+    if document.get("strict"):
+        extra["strict"] = True
+    if not by_path:
         extra["tree"] = document["tree"]
     out["kv_connector_extra_config"] = extra
     return out

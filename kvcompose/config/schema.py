@@ -272,6 +272,11 @@ class Document(TransferFields):
         "`KVComposeHMA`; `false` loads it as `KVCompose`, so vLLM turns HMA off; `auto` picks "
         "`KVComposeHMA` when every leaf supports HMA.",
         json_schema_extra={"anyOf": [{"type": "boolean"}, {"const": "auto"}]})
+    strict: bool = Field(
+        False, description="Composite strict mode, for connector authors' tests: a child "
+        "that breaks vLLM's connector contract raises instead of being corrected and logged. "
+        "The composite reads it from `kv_connector_extra_config` (`kvcompose vllm-args` puts "
+        "it there); `KVCOMPOSE_STRICT=1` also turns it on.")
     tree: NodeEntry = Field(..., description="The root node.")
 
     @field_validator("version", mode="before")

@@ -536,8 +536,10 @@ def _make_kv_cache_configs(vllm_config: Any, num_blocks: int) -> tuple[Any, Any,
     ]
     resolve_kv_cache_layout(vllm_config, [layouts], list(specs.values()))
 
-    # num_gpu_blocks_override fixes the count; the memory only has to be large enough.
-    memory = (num_blocks + 1) * spec.page_size_bytes * num_layers
+    # num_gpu_blocks_override fixes the count; the memory only has to be large enough (also
+    # for vLLM's check that one max_model_len request fits, which a small pool would fail).
+    max_len_blocks = -(-model_config.max_model_len // spec.block_size) + 1
+    memory = (max(num_blocks, max_len_blocks) + 1) * spec.page_size_bytes * num_layers
 
     try:  # vLLM 0.33: planning split out of kv_cache_utils, groups computed first
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups

@@ -11,17 +11,12 @@ BLOCK = 16
 
 
 @pytest.fixture
-def harness(tiny_model: Any) -> Callable[..., Any]:
+def harness(harness_factory: Callable[..., Any]) -> Callable[..., Any]:
     """``harness(kv_transfer_config, **kw)`` → a SchedulerHarness with a worker connector."""
-    from kvcompose.testing.harness import SchedulerHarness
-
-    made: list[Any] = []
 
     def make(config: dict[str, Any], **kw: Any) -> Any:
         kw.setdefault("block_size", BLOCK)
         kw.setdefault("with_worker", True)
-        h = SchedulerHarness(tiny_model, config, **kw)
-        made.append(h)
-        return h
+        return harness_factory(config, **kw)
 
     return make
