@@ -9,7 +9,13 @@ vLLM's contract like a real connector; the ``break_*`` flags break it on purpose
 The scheduler and worker instances of one child find their shared ``Script`` by name
 (``kv_connector_extra_config: {"script": NAME}``) in the process-wide ``SCRIPTS`` registry,
 so the pair works wherever both run in one process (the scheduler harness, a single-process
-engine). Every call is recorded in ``Script.calls`` for assertions.
+engine). Every call is recorded in ``Script.calls`` for assertions, and so is what the child
+reports (``("delay", req)`` when ``request_finished`` delays the free; on the worker side
+``("recv_report", req, failed)``, ``("send_report", req)``, ``("invalid_report", block ids)``).
+
+A load covers the blocks after the local hit the lookup was shown (its ``num_computed_tokens``);
+``invalid`` (and a sync ``fail``) reports the load's block number ``invalid_block`` (clamped)
+as bad, so block 0 of a load with no local hit is a total failure, anything else partial.
 """
 
 from __future__ import annotations
@@ -50,6 +56,12 @@ class Behaviour:
     break_rogue_recv: bool = False  # reports finished_recving for every allocation it sees
     break_duplicate_recv: bool = False  # reports its receive twice
     break_rogue_send: bool = False  # reports finished_sending without delaying
+    invalid_block: int = 0  # invalid: which of the load's blocks is bad (0: the first)
+    # False: as a correct connector, never delay the free while this child's own async load
+    # for the request is in flight (it must report finished_recving then: one terminal
+    # signal per request). True (the default) delays regardless, which breaks that rule
+    # when the request is aborted while it loads.
+    delay_free_if_loading: bool = True
 
 
 @dataclass
@@ -68,6 +80,17 @@ class Script:
 
     def lookups(self, req_id: str) -> int:
         return sum(1 for c in self.calls if c[0] == "lookup" and c[1] == req_id)
+
+    def delayed(self, req_id: str) -> bool:
+        """Whether ``request_finished`` for the request returned True."""
+        return any(c[0] == "delay" and c[1] == req_id for c in self.calls)
+
+    def recv_reports(self, req_id: str) -> list[bool]:
+        """The worker's ``finished_recving`` reports for the request (True: also failed)."""
+        return [c[2] for c in self.calls if c[0] == "recv_report" and c[1] == req_id]
+
+    def send_reports(self, req_id: str) -> int:
+        return sum(1 for c in self.calls if c[0] == "send_report" and c[1] == req_id)
 
 
 SCRIPTS: dict[str, Script] = {}
@@ -94,6 +117,13 @@ class _Load:
     steps: int
     block_ids: tuple[int, ...]
     duplicate: bool
+    invalid_block: int = 0
+
+    def bad_blocks(self) -> list[int]:
+        if not self.block_ids:
+            return []
+        i = min(self.invalid_block, len(self.block_ids) - 1)
+        return [self.block_ids[i]]
 
 
 @dataclass
@@ -112,6 +142,8 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         # scheduler side
         self._pending_seen: Counter[str] = Counter()
+        self._lookup_at: dict[str, int] = {}  # the local hit the last lookup was shown
+        self._loading: set[str] = set()  # own async loads not yet reported finished
         self._step = ScriptedMetadata()
         # worker side
         self._recv_timers: dict[str, tuple[int, _Load]] = {}
@@ -128,6 +160,7 @@ class ScriptedConnector(KVConnectorBase_V1):
                                    ) -> tuple[int | None, bool]:
         req_id = request.request_id
         self.script.calls.append(("lookup", req_id, num_computed_tokens))
+        self._lookup_at[req_id] = num_computed_tokens
         self._maybe_raise("get_num_new_matched_tokens", req_id)
         b = self.script.behaviour(req_id)
         if self._pending_seen[req_id] < b.pending_lookups:
@@ -148,11 +181,16 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._step.allocated += (req_id,)
         if num_external_tokens > 0:
             b = self.script.behaviour(req_id)
-            first = request.num_computed_tokens // self._block_size
-            count = -(-num_external_tokens // self._block_size)
+            # The load starts after the local hit the lookup was shown (the scheduler has not
+            # advanced request.num_computed_tokens yet when it calls this).
+            start = self._lookup_at.get(req_id, request.num_computed_tokens)
+            first = start // self._block_size
+            last = -(-(start + num_external_tokens) // self._block_size)
             self._step.loads[req_id] = _Load(num_external_tokens, b.is_async, b.load,
-                                             b.load_steps, block_ids[first:first + count],
-                                             b.break_duplicate_recv)
+                                             b.load_steps, block_ids[first:last],
+                                             b.break_duplicate_recv, b.invalid_block)
+            if b.is_async:
+                self._loading.add(req_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._step = self._step, ScriptedMetadata()
@@ -164,14 +202,29 @@ class ScriptedConnector(KVConnectorBase_V1):
         self.script.calls.append(("finished", req_id, tuple(block_ids)))
         self.script.finished[req_id] += 1
         self._pending_seen.pop(req_id, None)
+        self._lookup_at.pop(req_id, None)
+        loading = req_id in self._loading
+        self._loading.discard(req_id)
         self._maybe_raise("request_finished", req_id)
         b = self.script.behaviour(req_id)
-        if b.delay_free or b.break_rogue_send:
+        delay = b.delay_free and (b.delay_free_if_loading or not loading)
+        if delay or b.break_rogue_send:
             self._step.sends[req_id] = b.send_steps
-        return b.delay_free, (dict(b.params) if b.params else None)
+        if delay:
+            self.script.calls.append(("delay", req_id))
+        return delay, (dict(b.params) if b.params else None)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        for req_id in connector_output.finished_recving or ():
+            self._loading.discard(req_id)
 
     def live_requests(self) -> dict[str, Any]:
         live: dict[str, Any] = {}
+        for key, table in (("pending", self._pending_seen), ("lookup_at", self._lookup_at),
+                           ("loading", self._loading)):
+            if table:
+                live[key] = sorted(table)
         if self._recv_timers:
             live["recv"] = sorted(self._recv_timers)
         if self._send_timers:
@@ -186,7 +239,7 @@ class ScriptedConnector(KVConnectorBase_V1):
             if load.is_async:
                 self._recv_timers[req_id] = (load.steps, load)
             elif load.outcome != "ok":
-                self._invalid.update(load.block_ids[:1])
+                self._invalid.update(load.bad_blocks())
         self._send_timers.update(connector_metadata.sends)
         if any(self.script.behaviour(r).break_rogue_recv for r in connector_metadata.allocated):
             self._rogue.update(connector_metadata.allocated)
@@ -206,7 +259,7 @@ class ScriptedConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
-        if self._rogue:  # signals this child should not send (reported a step late)
+        if self._rogue:  # signals this child should not send
             out.finished_recving |= self._rogue
             self._rogue = set()
         for req_id, (steps, load) in list(self._recv_timers.items()):
@@ -218,7 +271,7 @@ class ScriptedConnector(KVConnectorBase_V1):
             if load.outcome == "fail":
                 out.failed_recving.add(req_id)
             elif load.outcome == "invalid":
-                self._invalid.update(load.block_ids[:1])
+                self._invalid.update(load.bad_blocks())
             if load.duplicate:
                 self._rogue.add(req_id)
         for req_id, steps in list(self._send_timers.items()):
@@ -227,8 +280,14 @@ class ScriptedConnector(KVConnectorBase_V1):
                 continue
             del self._send_timers[req_id]
             out.finished_sending.add(req_id)
+        for req_id in sorted(out.finished_recving):
+            self.script.calls.append(("recv_report", req_id, req_id in out.failed_recving))
+        for req_id in sorted(out.finished_sending):
+            self.script.calls.append(("send_report", req_id))
         return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._invalid = self._invalid, set()
+        if errors:
+            self.script.calls.append(("invalid_report", tuple(sorted(errors))))
         return errors
