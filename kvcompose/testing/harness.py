@@ -43,8 +43,8 @@ class FinishedRequest:
     """How a request ended, as the engine would report it."""
 
     request_id: str
-    #: ``vllm.v1.engine.FinishReason`` (``STOP``, ``LENGTH``, ``ABORT``, ``ERROR``...), or the
-    #: string ``"abort"`` for a request aborted through ``SchedulerHarness.abort``.
+    #: ``vllm.v1.engine.FinishReason`` (``STOP``, ``LENGTH``, ``ABORT``, ``ERROR``...);
+    #: ``ABORT`` for a request aborted through ``SchedulerHarness.abort``.
     finish_reason: Any
     stop_reason: Any = None
     #: What the connector's ``request_finished`` returned for the client (P/D hand-off params).
@@ -78,6 +78,15 @@ class StepResult:
         return [o for eco in self.engine_core_outputs.values() for o in eco.outputs]
 
     @property
+    def scheduler_stats(self) -> Any:
+        """The ``SchedulerStats`` this step reported (the scheduler logs with stats on), or
+        None. Per-step counters such as ``connector_prefix_cache_stats`` live here."""
+        for eco in self.engine_core_outputs.values():
+            if eco.scheduler_stats is not None:
+                return eco.scheduler_stats
+        return None
+
+    @property
     def finished_ids(self) -> set[str]:
         return set(self.finished)
 
@@ -93,6 +102,11 @@ class SchedulerHarness:
     ``kv_role``, ``kv_connector_extra_config``, ``kv_connector_module_path``...), or None for
     no connector. ``kv_role`` defaults to ``"kv_both"``. ``kv_load_failure_policy``
     (``"fail"``/``"recompute"``) is set on that config when given.
+
+    ``num_blocks`` is the size of the KV block pool including vLLM's null block (so
+    ``num_blocks - 1`` are usable). vLLM requires one ``max_model_len`` request to fit, so
+    ``max_model_len`` is lowered to ``(num_blocks - 1) * block_size`` when the pool is smaller.
+    ``enable_prefix_caching=False`` turns the local prefix cache off (an extra keyword).
     """
 
     def __init__(
@@ -129,6 +143,9 @@ class SchedulerHarness:
         elif kv_load_failure_policy is not None:
             raise ValueError("kv_load_failure_policy needs a kv_transfer_config")
 
+        # vLLM refuses a cache that cannot hold one max_model_len request (the null block
+        # aside); with a small pool, shrink max_model_len as a user would have to.
+        max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
         args = EngineArgs(
             model=str(self.model_dir),
             skip_tokenizer_init=True,
@@ -383,13 +400,14 @@ class SchedulerHarness:
 
     def abort(self, *request_ids: str) -> None:
         """Abort requests as the engine does (``finish_requests(..., FINISHED_ABORTED)``)."""
+        from vllm.v1.engine import FinishReason
         from vllm.v1.request import RequestStatus
 
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for req in aborted:
             info = FinishedRequest(
                 request_id=req.request_id,
-                finish_reason="abort",
+                finish_reason=FinishReason.ABORT,
                 output_token_ids=list(req.output_token_ids),
             )
             self.finished[req.request_id] = info
@@ -536,10 +554,8 @@ def _make_kv_cache_configs(vllm_config: Any, num_blocks: int) -> tuple[Any, Any,
     ]
     resolve_kv_cache_layout(vllm_config, [layouts], list(specs.values()))
 
-    # num_gpu_blocks_override fixes the count; the memory only has to be large enough (also
-    # for vLLM's check that one max_model_len request fits, which a small pool would fail).
-    max_len_blocks = -(-model_config.max_model_len // spec.block_size) + 1
-    memory = (max(num_blocks, max_len_blocks) + 1) * spec.page_size_bytes * num_layers
+    # num_gpu_blocks_override fixes the count; the memory only has to be large enough.
+    memory = (num_blocks + 1) * spec.page_size_bytes * num_layers
 
     try:  # vLLM 0.33: planning split out of kv_cache_utils, groups computed first
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
