@@ -474,3 +474,33 @@ def test_stats_are_keyed_by_node_name(harness):
     assert "hits.a" not in total.counters
     assert total.reduce()["lookups"] == 2
     h.assert_clean()
+
+
+# ------------------------------------------------------------------------------- HMA
+def test_hma_variant_refuses_children_without_hma_support(harness):
+    from kvcompose.children import ChildConfigError
+
+    script("a", Behaviour())
+    config = kvcompose_config(chain("root", leaf("a")))
+    config["kv_connector"] = "KVComposeHMA"
+    with pytest.raises(ChildConfigError, match="does not support the hybrid KV cache manager"):
+        harness(config)
+
+
+def test_plain_variant_runs_with_hma_turned_off(harness):
+    script("a", Behaviour(tokens=32))
+    h = harness(kvcompose_config(chain("root", leaf("a"))))
+    assert h.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    h.add_request(prompt(40))
+    h.run_until_idle()
+    h.assert_clean()
+
+
+def test_no_second_lookup_after_an_async_load_completed(harness):
+    a = script("a", Behaviour(tokens=48, is_async=True, load_steps=3))
+    h = harness(kvcompose_config(chain("root", leaf("a"))))
+    req = h.add_request(prompt(80), max_tokens=4)
+    h.run_until_idle()
+    assert a.lookups(req.request_id) == 1
+    assert ext_allocs(a, req.request_id) == [48, 0]
+    h.assert_clean()
