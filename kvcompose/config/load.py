@@ -97,6 +97,8 @@ class Config:
     warnings: tuple[str, ...] = ()
     overrides: tuple[str, ...] = ()  # applied overrides, in order
     origin: str = "document"  # document | multiconnector | kvcompose-args | internal
+    #: When the input was a ``--kv-transfer-config``: its ``kv_connector`` and module path.
+    loaded_as: tuple[str, str | None] | None = None
     linemap: Mapping[Path, int] | None = field(default=None, repr=False, compare=False)
     translate: Translate = field(default=_identity, repr=False, compare=False)
     facts: Any = field(default=None, repr=False, compare=False)  # VllmFacts, when checked
@@ -137,8 +139,14 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *,
                           src.label)
     data = dict(src.data)
     if isinstance(data.get("kv_connector"), str) and data["kv_connector"] in COMPOSITE_NAMES:
-        return _from_composite_args(data, src, env, overrides or [], check_vllm)
-    return _load(src, env_overrides(env) + list(overrides or []), check_vllm)
+        config = _from_composite_args(data, src, env, overrides or [], check_vllm)
+    else:
+        config = _load(src, env_overrides(env) + list(overrides or []), check_vllm)
+    if isinstance(data.get("kv_connector"), str):
+        module = data.get("kv_connector_module_path")
+        config = dataclasses.replace(config, loaded_as=(
+            data["kv_connector"], module if isinstance(module, str) else None))
+    return config
 
 
 def load_tree(source: str | os.PathLike | Mapping[str, Any], *,

@@ -95,7 +95,10 @@ def _pyjson(value: Any, indent: int) -> str:
 
 
 class _Dumper(yaml.SafeDumper):
-    """Block style for structure, flow style for short leaves' small mappings."""
+    """Block style, with list items indented under their key."""
+
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        super().increase_indent(flow, False)
 
 
 def _represent_dict(dumper: yaml.SafeDumper, data: dict) -> yaml.Node:
@@ -174,3 +177,44 @@ def _node(node: NodeSpec, transfer: dict[str, Any]) -> dict[str, Any]:
     body.update(common)
     body["children"] = [_node(child, transfer) for child in node.children]
     return {node.kind: body}
+
+
+def simplify_document(document: dict[str, Any]) -> dict[str, Any]:
+    """The same document with leaf fields that merely repeat the top level removed, and
+    fields that every leaf sets to one value (and the top level does not set) moved up."""
+    import copy
+
+    doc = copy.deepcopy(document)
+    leaves = list(_leaf_bodies(doc.get("tree")))
+    for key in TRANSFER_FIELDS:
+        if key in doc or not leaves:
+            continue
+        values = [body.get(key, _MISSING) for body in leaves]
+        if values[0] is not _MISSING and all(v == values[0] for v in values):
+            doc[key] = values[0]
+    ordered: dict[str, Any] = {}
+    for key in ("version", *TRANSFER_FIELDS):
+        if key in doc:
+            ordered[key] = doc.pop(key)
+    ordered.update(doc)
+    for body in leaves:
+        for key in TRANSFER_FIELDS:
+            if key in body and key in ordered and body[key] == ordered[key]:
+                del body[key]
+    tree = ordered.pop("tree")
+    ordered["tree"] = tree
+    return ordered
+
+
+_MISSING = object()
+
+
+def _leaf_bodies(node: Any):
+    if not isinstance(node, dict):
+        return
+    for kind, body in node.items():
+        if kind == "leaf":
+            yield body
+        elif isinstance(body, dict):
+            for child in body.get("children") or ():
+                yield from _leaf_bodies(child)

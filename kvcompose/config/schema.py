@@ -128,7 +128,8 @@ class _CompositeModel(_Strict):
         None, pattern=NAME_PATTERN,
         description="Unique node name (default: the kind, `chain`, `fanout` or `route`, "
         "made unique with `-2`, ...).")
-    children: list[NodeEntry] = Field(..., description="The child nodes, in order.")
+    children: list[NodeEntry] = Field(..., description="The child nodes, in order.",
+                                      json_schema_extra={"minItems": 1})
     lookup_timeout_s: float = Field(
         DEFAULT_LOOKUP_TIMEOUT_S, gt=0,
         description="Seconds to wait for children that answer a lookup with \"still "

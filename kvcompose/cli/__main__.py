@@ -1,0 +1,3 @@
+from kvcompose.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""``kvcompose explain FILE``: the tree as the composite will run it, and what vLLM sees."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.markup import escape
+from rich.tree import Tree
+
+from kvcompose.cli.common import add_load_flags, console, load
+from kvcompose.config import Config, effective_saves
+from kvcompose.config.load import PARAMS_PRODUCERS
+from kvcompose.config.render import MODULE_PATH, composite_class
+from kvcompose.config.vllm_checks import NAME_CHECKED
+from kvcompose.spec import ChainSpec, FanoutSpec, LeafSpec, NodeSpec, RouteRule, RouteSpec
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "explain", help="draw the tree: lookup order, policies, savers, what vLLM sees",
+        description="Draw a config's connector tree: which node looks up in what order and "
+                    "with which policy, which children save, and what vLLM will see (HMA, "
+                    "KV cache layout, piecewise CUDA graphs, kv_transfer_params).")
+    parser.add_argument("file", metavar="FILE")
+    add_load_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load(args, args.file)
+    out = console()
+    for item in explain(config, args.file):
+        out.print(item)
+    return 0
+
+
+def explain(config: Config, title: str | None = None) -> list[Any]:
+    """Renderables: a header line, the tree, what vLLM sees, warnings."""
+    items: list[Any] = []
+    head = [f"[bold]{escape(title or config.label or 'config')}[/bold]",
+            f"version {config.version}"]
+    for key, value in config.transfer.items():
+        head.append(f"{key}={escape(str(value))}")
+    items.append("  ".join(head))
+    if config.overrides:
+        items.append("overrides applied: " + escape(", ".join(config.overrides)))
+    saves = {leaf.name: s for leaf, s in effective_saves(config.tree)}
+    items.append(_tree(config, config.tree, saves))
+    items.append("")
+    items.append("[bold]What vLLM sees[/bold]")
+    items.extend(f"  {escape(line)}" for line in vllm_view(config))
+    for warning in config.warnings:
+        items.append(f"[yellow]warning:[/yellow] {escape(warning)}")
+    return items
+
+
+def _tree(config: Config, node: NodeSpec, saves: dict[str, bool],
+          tag: str = "", tree: Tree | None = None) -> Tree:
+    label = f"{tag}{_label(config, node, saves)}"
+    branch = Tree(label, guide_style="dim") if tree is None else tree.add(label)
+    if isinstance(node, LeafSpec):
+        for line in _leaf_details(config, node):
+            branch.add(f"[dim]{escape(line)}[/dim]")
+        return branch
+    for index, child in enumerate(node.children):
+        _tree(config, child, saves, _child_tag(node, child, index), branch)
+    return branch
+
+
+def _label(config: Config, node: NodeSpec, saves: dict[str, bool]) -> str:
+    name = escape(node.name)
+    extras = []
+    if node.on_error != "miss":
+        extras.append(f"on_error={node.on_error}")
+    if isinstance(node, LeafSpec):
+        where = f" ({escape(node.module_path)})" if node.module_path else ""
+        saving = "[green]saves[/green]" if saves.get(node.name) else "[red]no save[/red]"
+        if not saves.get(node.name) and node.save:
+            saving += " [dim](an ancestor has save: false)[/dim]"
+        text = f"[bold]{name}[/bold]  leaf {escape(node.connector)}{where}  {saving}"
+        return text + "".join(f"  {e}" for e in extras)
+    timeout = f"timeout {node.lookup_timeout_s:g}s"
+    if not node.save:
+        extras.append("[red]save: false[/red] (no leaf below saves)")
+    if isinstance(node, ChainSpec):
+        how = ("asks children in order; the first hit loads" if node.policy == "first" else
+               "asks every child; the longest hit loads (ties go to the earlier child)")
+        text = f"[bold]{name}[/bold]  chain, policy {node.policy}: {how}; {timeout}"
+    elif isinstance(node, FanoutSpec):
+        loads = (f"lookups and loads go to {escape(node.load_from)!r}" if node.load_from
+                 else "never loads (write-only)")
+        text = f"[bold]{name}[/bold]  fanout: saves to every child; {loads}; {timeout}"
+    else:
+        assert isinstance(node, RouteSpec)
+        text = (f"[bold]{name}[/bold]  route: one child per request looks up and loads "
+                f"(first matching rule, else {escape(node.default)!r}); {timeout}")
+    return text + "".join(f"  {e}" for e in extras)
+
+
+def _child_tag(parent: NodeSpec, child: NodeSpec, index: int) -> str:
+    if isinstance(parent, ChainSpec):
+        return f"[cyan]#{index + 1}[/cyan] "
+    if isinstance(parent, FanoutSpec):
+        return "[cyan]loads[/cyan] " if parent.load_from == child.name else ""
+    if isinstance(parent, RouteSpec):
+        tags = [f"rule {i + 1}: {_rule_text(rule)}" for i, rule in enumerate(parent.rules)
+                if rule.child == child.name]
+        if parent.default == child.name:
+            tags.append("default")
+        return "".join(f"[cyan]{escape(t)}[/cyan] → " for t in tags) if tags else \
+            "[dim](no rule)[/dim] "
+    return ""
+
+
+def _rule_text(rule: RouteRule) -> str:
+    parts = []
+    if rule.param is not None:
+        if rule.has_equals:
+            parts.append(f"kv_transfer_params[{rule.param!r}] == {rule.equals!r}")
+        else:
+            parts.append(f"kv_transfer_params has {rule.param!r}")
+    if rule.min_prompt_tokens is not None:
+        parts.append(f"prompt >= {rule.min_prompt_tokens} tokens")
+    if rule.max_prompt_tokens is not None:
+        parts.append(f"prompt <= {rule.max_prompt_tokens} tokens")
+    if rule.predicate:
+        parts.append(f"{rule.predicate}(request)")
+    return " and ".join(parts)
+
+
+def _leaf_details(config: Config, leaf: LeafSpec) -> list[str]:
+    lines = []
+    if leaf.extra_config:
+        lines.append("extra_config: " + ", ".join(f"{k}={v!r}"
+                                                  for k, v in leaf.extra_config.items()))
+    own = {k: v for k, v in leaf.transfer_config.items()
+           if k not in config.transfer or config.transfer[k] != v}
+    inherited = [k for k in leaf.transfer_config if k not in own]
+    if own:
+        lines.append("sets: " + ", ".join(f"{k}={v!r}" for k, v in own.items()))
+    if inherited:
+        lines.append("inherits: " + ", ".join(inherited))
+    facts = config.facts.leaves.get(leaf.name) if config.facts is not None else None
+    if facts is not None:
+        hma = "HMA yes" if facts.supports_hma else "HMA no"
+        layout = ("layout: model-dependent" if facts.layout == "" else
+                  f"layout {facts.layout}" if facts.layout else "no layout requirement")
+        piece = "needs piecewise CUDA graphs" if facts.piecewise else ""
+        cls = f"class {facts.class_name}"
+        lines.append(", ".join(x for x in (cls, hma, layout, piece) if x))
+    return lines
+
+
+def vllm_view(config: Config) -> list[str]:
+    """Plain-text lines about what vLLM will see for this config."""
+    lines = []
+    dropin = config.loaded_as is not None and config.loaded_as[0] == "MultiConnector"
+    if dropin:
+        assert config.loaded_as is not None
+        module = config.loaded_as[1]
+        lines.append("kv_connector: MultiConnector " + (
+            f"(kv_connector_module_path: {module}): vLLM's MultiConnector special cases "
+            "apply to the top-level children" if module else
+            "(vLLM's own: kvcompose does not run; `kvcompose vllm-args` prints the "
+            "KVCompose form, `kvcompose convert --to multiconnector --compat` the drop-in)"))
+    else:
+        cls = composite_class(config)
+        lines.append(f"kv_connector: {cls} (kv_connector_module_path: {MODULE_PATH})")
+    facts = config.facts
+    leaves = [leaf for leaf, _ in effective_saves(config.tree)]
+    missing = ([f.name for f in facts.leaves.values() if not f.supports_hma]
+               if facts is not None else None)
+    off = "vLLM turns the hybrid KV cache manager off"
+    if dropin:
+        if missing is None:
+            lines.append("HMA: vLLM enables it only if every child supports it (not checked "
+                         "without vLLM)")
+        else:
+            lines.append(f"HMA: off: not supported by {', '.join(missing)}; {off}" if missing
+                         else "HMA: on: every child supports the hybrid KV cache manager")
+    elif config.hma is True:
+        lines.append("HMA: required (hma: true); every leaf supports it" if missing is not None
+                     else "HMA: required (hma: true); not checked without vLLM")
+    elif config.hma is False:
+        lines.append(f"HMA: off (hma: false): {off}")
+    elif missing is None:
+        lines.append(f"HMA: unknown without vLLM, so KVCompose is used: {off}")
+    elif missing:
+        lines.append(f"HMA: off: not supported by {', '.join(missing)}; {off}")
+    else:
+        lines.append("HMA: on: every leaf supports the hybrid KV cache manager")
+    if facts is not None:
+        layouts = facts.layouts
+        model = [f.name for f in facts.leaves.values() if f.layout == ""]
+        if len(layouts) > 1:
+            shown = "; ".join(f"{k} ({', '.join(v)})" for k, v in layouts.items())
+            lines.append(f"KV cache layout: CONFLICT: {shown}: vLLM will refuse to start")
+        elif layouts:
+            (layout, names), = layouts.items()
+            lines.append(f"KV cache layout: {layout} (required by {', '.join(names)})")
+        else:
+            lines.append("KV cache layout: no requirement")
+        if model:
+            lines.append(f"KV cache layout: decided with the model for {', '.join(model)}")
+        piecewise = facts.piecewise
+        lines.append(f"CUDA graphs: piecewise required by {', '.join(piecewise)}: vLLM "
+                     "switches to PIECEWISE" if piecewise else
+                     "CUDA graphs: no piecewise requirement")
+    else:
+        lines.append("KV cache layout, CUDA graphs: not checked (vLLM is not installed, or "
+                     "--offline)")
+    producers = [_who(leaf) for leaf in leaves
+                 if leaf.module_path is None and leaf.connector in PARAMS_PRODUCERS]
+    lines.append("kv_transfer_params: produced by " + ", ".join(producers) if producers else
+                 "kv_transfer_params: no known producer")
+    policy = config.transfer.get("kv_load_failure_policy")
+    if policy != "recompute" and len(leaves) > 1:
+        lines.append(f"kv_load_failure_policy: {policy or 'fail (vLLM default)'}: a failed "
+                     "load fails the request; 'recompute' lets vLLM recompute and retry")
+    elif policy:
+        lines.append(f"kv_load_failure_policy: {policy}")
+    top = {child.name for child in getattr(config.tree, "children", ())} if dropin else set()
+    named = [_who(leaf) for leaf in leaves if leaf.name not in top
+             and leaf.module_path is None and leaf.connector in NAME_CHECKED]
+    if named:
+        lines.append("note: vLLM's name-based checks for " + ", ".join(named) + " only look "
+                     "at the top-level connector (or one level into MultiConnector); they do "
+                     "not run for leaves of a KVCompose tree")
+    return lines
+
+
+def _who(leaf: LeafSpec) -> str:
+    return leaf.name if leaf.name == leaf.connector else f"{leaf.name} ({leaf.connector})"
+

@@ -1,0 +1,89 @@
+"""``kvcompose`` entry point: argparse, pluggable subcommands, errors as one line."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+#: Subcommand modules (``kvcompose.cli.<name>_cmd``), in help order.
+COMMANDS: tuple[str, ...] = ("validate", "explain", "vllm_args", "convert", "schema", "bench")
+#: Commands whose module may be absent (another package or a later release adds them).
+OPTIONAL: frozenset[str] = frozenset({"bench"})
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+def _quiet_vllm() -> None:
+    """vLLM logs to stdout at INFO; keep ``vllm-args`` output clean (users can override)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.getLogger("torch._library.triton").setLevel(logging.ERROR)  # "Triton not available"
+
+
+def load_commands() -> list[object]:
+    modules = []
+    for name in COMMANDS:
+        module_name = f"kvcompose.cli.{name}_cmd"
+        try:
+            modules.append(importlib.import_module(module_name))
+        except ImportError:
+            if name in OPTIONAL:
+                continue  # not installed, or its extra dependencies are missing
+            raise
+    return modules
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvcompose import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="kvcompose",
+        description="Compose vLLM KV-cache connectors: check, draw and deploy connector trees.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvcompose {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in load_commands():
+        module.add_parser(subparsers)  # type: ignore[attr-defined]
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _quiet_vllm()
+    from kvcompose.cli.common import CLIError
+    from kvcompose.config import ConfigError
+
+    debug = os.environ.get("KVCOMPOSE_DEBUG") == "1"
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
+        return int(args.func(args) or 0)
+    except SystemExit as exc:  # argparse: --help, usage errors
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except (ConfigError, CLIError) as exc:
+        if debug:
+            raise
+        print(str(exc), file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+        return EXIT_OK
+    except Exception as exc:
+        if debug:
+            raise
+        print(f"kvcompose: internal error: {type(exc).__name__}: {exc} "
+              "(set KVCOMPOSE_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
