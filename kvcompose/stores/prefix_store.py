@@ -39,7 +39,7 @@ Load it with::
     written/loaded files are deleted.  Files are written and touched in
     reverse prefix order so a chain's first chunks are evicted last.
 ``read_only`` (bool, default false)
-    Never save; only load.
+    Never save (nor touch or evict files); only load.
 ``namespace`` (str, optional)
     Replaces the model name in the hash salt (default: model path, dtype,
     KV-cache dtype, block size, chunk size), e.g. to share a store between two
@@ -54,10 +54,28 @@ Load it with::
     the scheduler side does not offer the store to a request again after an
     async failure.
 
-Requests with multimodal inputs or prompt embeddings are neither looked up nor
-saved (their KV is not determined by the token ids).  The LoRA name and the
-request's ``cache_salt`` are part of the hash.  Saves are synchronous (written
-in ``wait_for_save``), so ``request_finished`` never delays freeing.
+What a file holds: for every attention layer, the request's whole KV-cache
+blocks for the chunk, copied as they are (``kv_cache[block_ids]``, blocks at
+dim 0), so a round trip is exact whatever the backend packs inside a block (the
+CPU backend stores K transposed; see :func:`cpu_tiles_to_kv`).  Loads therefore
+always move whole blocks; vLLM's local prefix hit is block-aligned, and the
+block size is part of the hash salt.
+
+Lookups count only chunks inside ``prompt[:-1]`` and return ``(0, False)``
+rather than ``(0, True)``.  Only prompt tokens are saved, once their chunk is
+fully computed (chunked prefill included); a chunk already on disk is not
+rewritten.  Requests with multimodal inputs or prompt embeddings are neither
+looked up nor saved (their KV is not determined by the token ids).  The LoRA
+name and the request's ``cache_salt`` are part of the hash.  Saves are
+synchronous (written in ``wait_for_save``), so ``request_finished`` never delays
+freeing.
+
+Limits: models with one KV cache group only (refused otherwise); with tensor or
+pipeline parallelism each worker writes its own file per chunk
+(``<key>.pp<p>tp<t>.safetensors``) and a chunk counts as stored when all exist
+(untested: the test machines have one CPU worker); ``max_chunks`` eviction runs
+in the worker after writes, without coordination between several engines
+sharing a directory.
 """
 
 from __future__ import annotations
@@ -416,6 +434,12 @@ class PrefixStoreConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig,
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise ValueError(
+                "PrefixStoreConnector supports models with a single KV cache group "
+                f"(this model has {len(groups)})"
+            )
         self.config = PrefixStoreConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
@@ -576,7 +600,9 @@ class PrefixStoreConnector(KVConnectorBase_V1):
             last_blk = (hi + bs - 1) // bs  # exclusive
             chunks.append(
                 ChunkLoad(
-                    key=keys[idx],
+                    # Past the prompt's chunks (a caller asked for more than was offered):
+                    # a key that is never stored, so the worker reports the load failed.
+                    key=keys[idx] if idx < len(keys) else "not-stored",
                     first_block=first_blk - idx * self.config.chunk_blocks,
                     block_ids=block_ids[first_blk:last_blk],
                     num_tokens=hi - lo,
@@ -785,8 +811,9 @@ class PrefixStoreConnector(KVConnectorBase_V1):
             chunks += 1
             tokens += chunk.num_tokens
         # Touch in reverse prefix order: a chain's first chunks are evicted last.
-        for path in reversed(loaded_files):
-            self._touch(path)
+        if not self.config.read_only:
+            for path in reversed(loaded_files):
+                self._touch(path)
         counts: dict[str, int | float] = {
             "chunks_loaded": chunks,
             "tokens_loaded": tokens,

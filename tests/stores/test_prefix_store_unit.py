@@ -460,3 +460,40 @@ def test_worker_fault_injection_and_eviction(tmp_path):
     load.req_id = "good-0123abcd"
     _, bad = _run_step(w, PrefixStoreMetadata(loads=[load]), {})
     assert not bad and w.total_stats.data["chunks_loaded"] == 1
+
+
+def test_guards_and_reset(tmp_path):
+    # A load larger than what the store offered is planned against a key that is
+    # never stored, so the worker reports it failed instead of loading garbage.
+    conn = make_connector(tmp_path)
+    tokens = list(range(3000, 3100))
+    touch_chunks(conn, tokens, 1)
+    req = fake_request("r", tokens)
+    assert conn.get_num_new_matched_tokens(req, 0) == (32, False)
+    conn.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), 128)
+    (load,) = conn.build_connector_meta(sched_output()).loads
+    keys = chunk_keys(tokens, BS, conn._salt)
+    assert [c.key for c in load.chunks] == [*keys, "not-stored"]
+    w = make_connector(tmp_path, role="worker", num_blocks=16)
+    w.register_kv_caches(_caches())
+    _, bad = _run_step(w, PrefixStoreMetadata(loads=[load]), {})
+    assert bad == {5, 6, 7, 8}  # the touched chunk-0 file is empty: everything fails
+    # reset_cache empties the directory (not for read-only stores).
+    assert store_usage(conn.config.path)["files"] == 1
+    assert conn.reset_cache() is True
+    assert store_usage(conn.config.path)["files"] == 0
+    assert make_connector(tmp_path, read_only=True).reset_cache() is False
+    # Several KV cache groups are refused at construction.
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    ktc = KVTransferConfig(
+        kv_connector="PrefixStoreConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"path": str(tmp_path / "g")},
+    )
+    cfg = SimpleNamespace(kv_transfer_config=ktc)
+    with pytest.raises(ValueError, match="single KV cache group"):
+        PrefixStoreConnector(
+            cfg, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=8, kv_cache_groups=[1, 2])
+        )
