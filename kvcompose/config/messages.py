@@ -119,6 +119,8 @@ def _item(err: dict[str, Any]) -> ErrorItem:
     kind = err["type"]
     value = err.get("input")
     ctx = err.get("ctx") or {}
+    if loc and loc[-1] == "[key]":  # a mapping key of the wrong type
+        return ErrorItem(loc[:-2], f"keys must be strings, got {describe(loc[-2])}")
     if kind == "extra_forbidden":
         return ErrorItem(loc, _unknown_key(loc))
     if kind == "missing":

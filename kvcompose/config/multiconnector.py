@@ -26,6 +26,8 @@ from kvcompose.spec import DEFAULT_LOOKUP_TIMEOUT_S, ChainSpec, LeafSpec
 EXTRA = "kv_connector_extra_config"
 MULTI = "MultiConnector"
 COMPAT_MODULE = "kvcompose.compat"
+#: Document keys accepted next to ``connectors`` in the extra config.
+EXTRA_KEYS = ("strict", "hma")
 
 _TO_LEAF = {"kv_connector": "connector", "kv_connector_module_path": "module_path",
             "kv_connector_extra_config": "extra_config"}
@@ -77,20 +79,24 @@ def document_from_multiconnector(data: Mapping[str, Any], translate: Any, src: S
             raise ConfigError(ErrorItem(real, "expected a mapping with 'connectors', got "
                                         f"{describe(extra)}", line_for(src.linemap, real)),
                               src.label)
+        allowed = ["connectors", *EXTRA_KEYS]
     else:
         extra = data
-        for key in data:
-            if key in TRANSFER_FIELDS or key == "transfer_config":
-                _put_field(doc, key, data[key])
-            elif key != "connectors":
-                raise fail((key,), f"unknown key {key!r}"
-                                   f"{did_you_mean(key, ['connectors', *TRANSFER_FIELDS])}")
+        allowed = ["connectors", *EXTRA_KEYS, *TRANSFER_FIELDS, "transfer_config"]
+    for key in extra:
+        if key not in allowed:
+            real = translate((*prefix, key))
+            raise ConfigError(ErrorItem(real, f"unknown key {key!r}"
+                                        f"{did_you_mean(key, allowed)}",
+                                        line_for(src.linemap, real)), src.label)
+        if key in EXTRA_KEYS or key in TRANSFER_FIELDS or key == "transfer_config":
+            _put_field(doc, key, extra[key])
     doc["tree"] = _chain(extra, fields, fail)
     return doc, back
 
 
 def _put_field(doc: dict[str, Any], key: str, value: Any) -> None:
-    if key in TRANSFER_FIELDS or key == "transfer_config":
+    if key in TRANSFER_FIELDS or key in ("transfer_config", *EXTRA_KEYS):
         doc[key] = value
     else:  # a KVTransferConfig field this schema does not know
         doc.setdefault("transfer_config", {})[key] = value

@@ -182,6 +182,15 @@ def _check_predicates(config: Any, route: RouteSpec) -> None:
 
 
 def _one_line(exc: BaseException) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):  # pydantic's ValidationError: the first error's own message
+        try:
+            first = errors()[0]
+            loc = ".".join(str(p) for p in first.get("loc", ()))
+            msg = str(first.get("msg", "")).removeprefix("Value error, ").splitlines()[0]
+            return f"{loc}: {msg}" if loc else msg
+        except Exception:
+            pass
     text = str(exc).strip().splitlines()
     first = text[0] if text else ""
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
