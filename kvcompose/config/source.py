@@ -34,9 +34,12 @@ def read_file(path: str | os.PathLike) -> Source:
         raise ConfigError("is a directory, not a config file", label) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read: {exc}", label) from None
-    if label.lower().endswith(".json"):
-        return parse_json(text, label)
-    return parse_yaml(text, label)
+    try:
+        if label.lower().endswith(".json"):
+            return parse_json(text, label)
+        return parse_yaml(text, label)
+    except RecursionError:
+        raise ConfigError("nested too deeply", label) from None
 
 
 def parse_json(text: str, label: str | None = None) -> Source:
