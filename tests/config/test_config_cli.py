@@ -178,6 +178,7 @@ def test_vllm_args_json_round_trips(run_cli) -> None:
 
 def test_vllm_args_output_is_loadable_by_kvcompose(run_cli, tmp_path: Path) -> None:
     code, out, _ = run_cli("vllm-args", "--offline", "--json", str(TIERS))
+    assert code == 0
     args_file = tmp_path / "args.json"
     args_file.write_text(out)
     config = load_config(str(args_file), env={}, check_vllm=False)
