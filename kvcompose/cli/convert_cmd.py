@@ -7,9 +7,9 @@ import json
 import os
 import sys
 
-from kvcompose.cli.common import CLIError, add_load_flags, load
+from kvcompose.cli.common import add_load_flags, load
 from kvcompose.config.multiconnector import document_notes, multiconnector_from_config
-from kvcompose.config.render import simplify_document, to_yaml
+from kvcompose.config.render import document_from_tree, simplify_document, to_yaml
 from kvcompose.config.source import read_file
 
 
@@ -34,18 +34,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = load(args, args.file)
-    target = args.to or ("yaml" if config.origin in ("multiconnector", "kvcompose-args")
-                         else "multiconnector")
+    target = args.to or ("yaml" if config.loaded_as is not None else "multiconnector")
     notes: list[str]
     if target == "yaml":
-        if config.document is None:
-            raise CLIError(f"{args.file}: holds an internal tree; nothing to convert")
+        document = config.document or document_from_tree(config.tree, config.transfer)
         notes = []
         if config.origin == "multiconnector" and args.file != "-":
             notes = document_notes(read_file(args.file).data, config.document)
         header = [f"Converted from {os.path.basename(args.file)} by `kvcompose convert`."]
         header += [f"note: {n}" for n in notes]
-        text = to_yaml(simplify_document(config.document), "\n".join(header))
+        text = to_yaml(simplify_document(document), "\n".join(header))
     else:
         data, notes = multiconnector_from_config(config, compat=args.compat)
         text = json.dumps(data, indent=2) + "\n"

@@ -31,7 +31,7 @@ def load_commands() -> list[object]:
         try:
             modules.append(importlib.import_module(module_name))
         except ImportError:
-            if name in OPTIONAL:
+            if name in OPTIONAL and os.environ.get("KVCOMPOSE_DEBUG") != "1":
                 continue  # not installed, or its extra dependencies are missing
             raise
     return modules

@@ -45,5 +45,6 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             leaves = sum(1 for n in config.nodes.values() if n.kind == "leaf")
             checked = "checked against vLLM" if config.facts is not None else "vLLM not checked"
-            print(f"{path}: ok ({len(config.nodes)} nodes, {leaves} leaves; {checked})")
+            print(f"{path}: ok ({len(config.nodes)} nodes, {leaves} "
+                  f"{'leaf' if leaves == 1 else 'leaves'}; {checked})")
     return 1 if failed else 0

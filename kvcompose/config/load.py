@@ -244,9 +244,16 @@ def _from_composite_args(data: dict[str, Any], src: Source, env: Mapping[str, st
         raise ConfigError(ErrorItem((EXTRA_CONFIG,), f"expected a mapping, got "
                                     f"{describe(extra)}", line_for(src.linemap, (EXTRA_CONFIG,))),
                           src.label)
-    if TREE_KEY in extra:
-        return config_from_extra_config(extra, env=env, check_vllm=check_vllm)
     parent = {k: v for k, v in data.items() if k in TRANSFER_FIELDS and v is not None}
+    if TREE_KEY in extra:  # the internal form, in a file: validate it like any document
+        from kvcompose.config.render import document_from_tree
+
+        tree = config_from_extra_config({TREE_KEY: extra[TREE_KEY]}, env={}).tree
+        doc = document_from_tree(tree, parent)
+        if extra.get("strict"):
+            doc["strict"] = True
+        return _load(Source(doc, src.label, None, src.path),
+                     env_overrides(env) + list(overrides), check_vllm, origin="internal")
     inner, late, inline = _split_extra(dict(extra), env, src, (EXTRA_CONFIG,))
     everything = env_overrides(env) + late + list(overrides)
     if not isinstance(inner.data, Mapping):

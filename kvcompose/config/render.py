@@ -11,7 +11,14 @@ import yaml
 
 from kvcompose.config.load import Config
 from kvcompose.config.schema import TRANSFER_FIELDS, VERSION
-from kvcompose.spec import ChainSpec, FanoutSpec, LeafSpec, NodeSpec, RouteSpec
+from kvcompose.spec import (
+    DEFAULT_LOOKUP_TIMEOUT_S,
+    ChainSpec,
+    FanoutSpec,
+    LeafSpec,
+    NodeSpec,
+    RouteSpec,
+)
 
 #: How vLLM loads the composite (``kvcompose`` resolves the class lazily).
 MODULE_PATH = "kvcompose"
@@ -156,7 +163,8 @@ def _node(node: NodeSpec, transfer: dict[str, Any]) -> dict[str, Any]:
     if isinstance(node, ChainSpec):
         body["policy"] = node.policy
     elif isinstance(node, FanoutSpec):
-        body["load_from"] = node.load_from
+        if node.load_from is not None:
+            body["load_from"] = node.load_from
     elif isinstance(node, RouteSpec):
         body["default"] = node.default
         if node.rules:
@@ -173,7 +181,8 @@ def _node(node: NodeSpec, transfer: dict[str, Any]) -> dict[str, Any]:
                 entry["child"] = rule.child
                 rules.append(entry)
             body["rules"] = rules
-    body["lookup_timeout_s"] = node.lookup_timeout_s
+    if node.lookup_timeout_s != DEFAULT_LOOKUP_TIMEOUT_S:
+        body["lookup_timeout_s"] = node.lookup_timeout_s
     body.update(common)
     body["children"] = [_node(child, transfer) for child in node.children]
     return {node.kind: body}

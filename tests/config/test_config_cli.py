@@ -291,3 +291,26 @@ def test_vllm_args_stdout_is_clean_json_with_vllm(tmp_path: Path) -> None:
                           cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["kv_connector"] == "KVCompose"
+
+
+def test_internal_form_files_are_validated_and_convertible(run_cli, tmp_path: Path) -> None:
+    """A --kv-transfer-config holding the canonical tree (``kvcompose_tree``, as the test
+    helpers build it) is checked like any document when it comes from a file."""
+    from kvcompose.testing.trees import chain, kvcompose_config
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(kvcompose_config(chain("root", {
+        "kind": "leaf", "name": "a", "connector": "ExampleConnector"},
+        {"kind": "leaf", "name": "b", "connector": "ExampleConnector"}))))
+    code, out, err = run_cli("validate", "--offline", str(good))
+    assert (code, err) == (0, "")
+    code, out, _ = run_cli("convert", "--offline", str(good))
+    assert code == 0 and "name: root" in out and "kv_role: kv_both" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(kvcompose_config(chain("root", {
+        "kind": "leaf", "name": "a", "connector": "ExampleConnector"},
+        {"kind": "leaf", "name": "a", "connector": "ExampleConnector"}))))
+    code, _, err = run_cli("validate", "--offline", str(bad))
+    assert code == 1
+    assert err == (f"{bad}: tree.chain.children[1].leaf.name: duplicate node name 'a' (also "
+                   "used at tree.chain.children[0].leaf.name)\n")

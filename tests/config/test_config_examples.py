@@ -63,3 +63,24 @@ def test_dropin_is_the_compat_multiconnector() -> None:
     assert data["kv_connector_module_path"] == "kvcompose.compat"
     config = load_config(data, env={}, check_vllm=False)
     assert config.tree.kind == "chain" and config.tree.policy == "first"
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("by_path", [False, True], ids=["inline", "by-path"])
+def test_vllm_resolves_the_printed_config(path: Path, by_path: bool) -> None:
+    """What vllm-args prints is what vLLM's factory and the composite's class-level hooks
+    accept (no engine is started)."""
+    if not vllm_importable():
+        pytest.skip("needs vLLM")
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvcompose.config.render import vllm_args
+
+    data = vllm_args(load_config(str(path), env={}), by_path=by_path)
+    ktc = KVTransferConfig(**data)
+    cls = KVConnectorFactory.get_connector_class(ktc)
+    assert cls.__name__ == data["kv_connector"]
+    assert cls.requires_piecewise_for_cudagraph(ktc.kv_connector_extra_config) is False
+    assert KVConnectorFactory.supports_hma_config(ktc) is (data["kv_connector"] ==
+                                                          "KVComposeHMA")

@@ -66,6 +66,13 @@ def test_json_file_and_dict_give_the_same_tree(tmp_path: Path) -> None:
     assert from_yaml == from_json == from_dict
 
 
+def test_path_objects(tmp_path: Path) -> None:
+    path = tmp_path / "tree.yaml"
+    path.write_text(TIERS)
+    assert load_tree(path, env={}, check_vllm=False) == \
+        load_tree(str(path), env={}, check_vllm=False)
+
+
 def test_bare_node_is_a_tree() -> None:
     tree = load_tree({"leaf": {"connector": "ExampleConnector"}}, env={}, check_vllm=False)
     assert tree == specs.LeafSpec(name="ExampleConnector", connector="ExampleConnector")
@@ -202,7 +209,7 @@ SCALARS = st.one_of(st.integers(-5, 5), st.booleans(), st.text("abc/", max_size=
 
 @st.composite
 def trees(draw: st.DrawFn, depth: int = 0) -> specs.NodeSpec:
-    names: set[str] = draw(st.shared(st.just(set()), key="names"))
+    names: set[str] = draw(st.shared(st.builds(set), key="names"))  # one set per example
 
     def fresh() -> str:
         name = draw(NAMES.filter(lambda n: n not in names))
