@@ -144,8 +144,9 @@ def _leaf_details(config: Config, leaf: LeafSpec) -> list[str]:
     facts = config.facts.leaves.get(leaf.name) if config.facts is not None else None
     if facts is not None:
         hma = "HMA yes" if facts.supports_hma else "HMA no"
+        scope = f" for {facts.layout_scope}" if facts.layout_scope else ""
         layout = ("layout: model-dependent" if facts.layout == "" else
-                  f"layout {facts.layout}" if facts.layout else "no layout requirement")
+                  f"layout {facts.layout}{scope}" if facts.layout else "no layout requirement")
         piece = "needs piecewise CUDA graphs" if facts.piecewise else ""
         cls = f"class {facts.class_name}"
         lines.append(", ".join(x for x in (cls, hma, layout, piece) if x))
@@ -198,7 +199,9 @@ def vllm_view(config: Config) -> list[str]:
             lines.append(f"KV cache layout: CONFLICT: {shown}: vLLM will refuse to start")
         elif layouts:
             (layout, names), = layouts.items()
-            lines.append(f"KV cache layout: {layout} (required by {', '.join(names)})")
+            scopes = {facts.leaves[n].layout_scope for n in names} - {""}
+            scope = f" for {', '.join(sorted(scopes))}" if scopes else ""
+            lines.append(f"KV cache layout: {layout}{scope} (required by {', '.join(names)})")
         else:
             lines.append("KV cache layout: no requirement")
         if model:

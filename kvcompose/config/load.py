@@ -315,7 +315,9 @@ def _load(src: Source, overrides: list[Override], check_vllm: bool | None, *,
     if check_vllm:
         from kvcompose.config.vllm_checks import inspect_config
 
-        config = dataclasses.replace(config, facts=inspect_config(config))
+        facts = inspect_config(config)
+        config = dataclasses.replace(config, facts=facts,
+                                     warnings=config.warnings + tuple(facts.warnings()))
     return config
 
 

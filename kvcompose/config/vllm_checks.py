@@ -31,6 +31,7 @@ class LeafFacts:
     supports_hma: bool | None = None
     piecewise: bool | None = None
     layout: str | None = None  # required KV cache layout, "" when the model decides
+    layout_scope: str = ""  # e.g. "non-MLA models" when the answer depends on the model
     note: str | None = None
 
 
@@ -57,6 +58,15 @@ class VllmFacts:
             if f.layout:
                 out.setdefault(f.layout, []).append(f.name)
         return out
+
+
+    def warnings(self) -> list[str]:
+        layouts = self.layouts
+        if len(layouts) <= 1:
+            return []
+        shown = "; ".join(f"{layout} ({', '.join(names)})" for layout, names in layouts.items())
+        return [f"leaves require different KV cache layouts: {shown}; the composite refuses "
+                "to start where these apply"]
 
 
 def registry() -> dict[str, Any]:
@@ -110,15 +120,7 @@ def inspect_config(config: Any) -> VllmFacts:
             info.piecewise = bool(cls.requires_piecewise_for_cudagraph(dict(node.extra_config)))
         except Exception as exc:
             info.note = f"requires_piecewise_for_cudagraph failed: {_one_line(exc)}"
-        previous = logging.root.manager.disable
-        logging.disable(logging.WARNING)  # connectors log about the missing model config
-        try:
-            probe = SimpleNamespace(model_config=None, kv_transfer_config=ktc)
-            info.layout = cls.get_required_kvcache_layout(probe)
-        except Exception:
-            info.layout = ""  # depends on the model
-        finally:
-            logging.disable(previous)
+        info.layout, info.layout_scope = _layout(cls, ktc)
         if config.hma is True and not info.supports_hma:
             raise config.error((*path, "connector"),
                                f"{node.connector!r} does not support HMA (the hybrid KV cache "
@@ -179,6 +181,30 @@ def _check_predicates(config: Any, route: RouteSpec) -> None:
             obj = getattr(obj, part)
         if not callable(obj):
             raise config.error(where, f"{rule.predicate!r} is not callable")
+
+
+def _layout(cls: type, ktc: Any) -> tuple[str | None, str]:
+    """The KV cache layout a connector class requires, asked without a real model: once with
+    no model config and once with a non-MLA one (NIXL and Mooncake only ask for a layout
+    for non-MLA models). ``""`` when the answer needs the real model."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # connectors log about the missing model config
+    answers: list[str | Exception | None] = []
+    try:
+        for model_config in (None, SimpleNamespace(use_mla=False)):
+            probe = SimpleNamespace(model_config=model_config, kv_transfer_config=ktc)
+            try:
+                answers.append(cls.get_required_kvcache_layout(probe))
+            except Exception as exc:
+                answers.append(exc)
+    finally:
+        logging.disable(previous)
+    without, non_mla = answers
+    if isinstance(non_mla, Exception):
+        return ("", "") if isinstance(without, Exception) or without is None else (without, "")
+    if isinstance(without, Exception) or without != non_mla:
+        return non_mla, "non-MLA models" if non_mla else ""
+    return non_mla, ""
 
 
 def _one_line(exc: BaseException) -> str:

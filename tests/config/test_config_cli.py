@@ -138,7 +138,7 @@ def test_explain_with_vllm(run_cli) -> None:
     assert "pd  chain, policy longest: asks every child; the longest hit loads" in out
     assert "class NixlPullConnector, HMA yes" in out
     assert "HMA: off: not supported by disk" in out
-    assert "KV cache layout: no requirement" in out
+    assert "KV cache layout: LBHNC for non-MLA models (required by nixl)" in out
     assert "CUDA graphs: no piecewise requirement" in out
 
 

@@ -29,7 +29,8 @@ def test_facts_hma_layout_piecewise() -> None:
     assert facts.leaves["nixl"].supports_hma is True
     assert facts.leaves["lmc"].supports_hma is False
     assert facts.piecewise == ["lmc"]
-    assert facts.layouts == {"LBNHC": ["hs"]}
+    assert facts.layouts == {"LBHNC": ["nixl"], "LBNHC": ["hs"]}
+    assert any("different KV cache layouts" in w for w in config.warnings)
     assert "KVCompose" in facts.registry and "NixlConnector" in facts.registry
     assert composite_class(config) == "KVCompose"
 
@@ -144,3 +145,18 @@ def test_register_without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setitem(sys.modules, "vllm.distributed.kv_transfer.kv_connector.factory", None)
     register()  # no error
+
+
+@needs_vllm
+def test_layout_facts_and_conflict_warning() -> None:
+    config = load_config(tree({"name": "nixl", "connector": "NixlConnector"},
+                              {"name": "hisparse", "connector": "HiSparseConnector"},
+                              {"name": "disk", "connector": "ExampleConnector"}),
+                         env={}, check_vllm=True)
+    leaves = config.facts.leaves
+    assert (leaves["nixl"].layout, leaves["nixl"].layout_scope) == ("LBHNC", "non-MLA models")
+    assert (leaves["hisparse"].layout, leaves["hisparse"].layout_scope) == ("BLHNC", "")
+    assert leaves["disk"].layout is None
+    assert config.warnings == (
+        "leaves require different KV cache layouts: LBHNC (nixl); BLHNC (hisparse); the "
+        "composite refuses to start where these apply",)
