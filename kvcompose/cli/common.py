@@ -39,7 +39,8 @@ def load(args: argparse.Namespace, path: str) -> Config:
     if path == "-":
         from kvcompose.config.source import parse_yaml
 
-        source: Any = parse_yaml(sys.stdin.read(), "<stdin>").data
+        source: Any = parse_yaml(sys.stdin.read(), "<stdin>")  # YAML reads JSON too
+        source.path = None
     else:
         source = path
     return load_config(source, env={} if args.no_env else None,

@@ -128,7 +128,9 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *,
     ``check_vllm``: run the checks that import vLLM (default: when vLLM is installed).
     """
     env = environ(env)
-    if isinstance(source, Mapping):
+    if isinstance(source, Source):  # already parsed (e.g. standard input)
+        src = source
+    elif isinstance(source, Mapping):
         src = Source(dict(source))
     elif isinstance(source, (str, os.PathLike)):
         src = read_file(source)

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from kvcompose.config.errors import ConfigError
 from kvcompose.config.load import Config
 from kvcompose.config.schema import TRANSFER_FIELDS, VERSION
 from kvcompose.spec import (
@@ -57,7 +58,8 @@ def vllm_args(config: Config, *, by_path: bool = False, module_path: bool = True
     document = config.document or document_from_tree(config.tree)
     if by_path:
         if not config.path:
-            raise config.error((), "this config does not come from a file: print it inline")
+            raise ConfigError("this config does not come from a file: print it inline",
+                              config.label)
         extra: dict[str, Any] = {"config": os.path.abspath(config.path)}
     else:
         extra = {"version": document.get("version", VERSION)}

@@ -314,3 +314,20 @@ def test_internal_form_files_are_validated_and_convertible(run_cli, tmp_path: Pa
     assert code == 1
     assert err == (f"{bad}: tree.chain.children[1].leaf.name: duplicate node name 'a' (also "
                    "used at tree.chain.children[0].leaf.name)\n")
+
+
+def test_standard_input(run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("tree:\n  leaf: {conector: A}\n"))
+    code, _, err = run_cli("validate", "--offline", "-")
+    assert code == 1
+    assert err == "<stdin>:2: tree.leaf.conector: unknown key 'conector' (did you mean " \
+                  "'connector'?)\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(TIERS.read_text()))
+    code, out, _ = run_cli("vllm-args", "--offline", "--json", "-")
+    assert code == 0 and json.loads(out)["kv_connector_extra_config"]["tree"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(TIERS.read_text()))
+    code, _, err = run_cli("vllm-args", "--offline", "--by-path", "-")
+    assert (code, err) == (1, "<stdin>: this config does not come from a file: print it "
+                              "inline\n")
