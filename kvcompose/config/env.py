@@ -61,8 +61,8 @@ def env_overrides(env: Mapping[str, str]) -> list[Override]:
     out: list[Override] = []
     for field in ENV_FIELDS:
         var = ENV_PREFIX + field.upper()
-        if var in env:
-            raw = env[var]
+        if env.get(var, "").strip():  # set and not empty
+            raw = env[var].strip()
             value = raw if field in _STRING_FIELDS else parse_value(raw)
             if field == "hma" and isinstance(value, str) and value.lower() in ("true", "false"):
                 value = value.lower() == "true"

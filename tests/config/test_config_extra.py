@@ -187,6 +187,13 @@ def test_env_typed_values() -> None:
         "KVCOMPOSE_SET \"a.extra_config.name='007'\"")
 
 
+def test_empty_env_vars_are_unset(tree_file: str) -> None:
+    config = config_from_extra_config({"config": tree_file}, check_vllm=False,
+                                      env={"KVCOMPOSE_KV_ROLE": "", "KVCOMPOSE_SET": " "})
+    assert config.overrides == ()
+    assert config.transfer == {"kv_role": "kv_both"}
+
+
 def test_os_environ_is_the_default(tree_file: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCOMPOSE_SET", "disk.save=false")
     assert leaf(tree_from_extra_config({"config": tree_file}, check_vllm=False),
