@@ -62,6 +62,9 @@ class Behaviour:
     # signal per request). True (the default) delays regardless, which breaks that rule
     # when the request is aborted while it loads.
     delay_free_if_loading: bool = True
+    # How many of this child's loads for the request go as ``load`` says; later ones are
+    # "ok" (a transient failure). None: every load.
+    failed_loads: int | None = None
 
 
 @dataclass
@@ -144,6 +147,7 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._pending_seen: Counter[str] = Counter()
         self._lookup_at: dict[str, int] = {}  # the local hit the last lookup was shown
         self._loading: set[str] = set()  # own async loads not yet reported finished
+        self._loads_made: Counter[str] = Counter()
         self._step = ScriptedMetadata()
         # worker side
         self._recv_timers: dict[str, tuple[int, _Load]] = {}
@@ -186,7 +190,11 @@ class ScriptedConnector(KVConnectorBase_V1):
             start = self._lookup_at.get(req_id, request.num_computed_tokens)
             first = start // self._block_size
             last = -(-(start + num_external_tokens) // self._block_size)
-            self._step.loads[req_id] = _Load(num_external_tokens, b.is_async, b.load,
+            self._loads_made[req_id] += 1
+            outcome = b.load
+            if b.failed_loads is not None and self._loads_made[req_id] > b.failed_loads:
+                outcome = "ok"
+            self._step.loads[req_id] = _Load(num_external_tokens, b.is_async, outcome,
                                              b.load_steps, block_ids[first:last],
                                              b.break_duplicate_recv, b.invalid_block)
             if b.is_async:
@@ -203,6 +211,7 @@ class ScriptedConnector(KVConnectorBase_V1):
         self.script.finished[req_id] += 1
         self._pending_seen.pop(req_id, None)
         self._lookup_at.pop(req_id, None)
+        self._loads_made.pop(req_id, None)
         loading = req_id in self._loading
         self._loading.discard(req_id)
         self._maybe_raise("request_finished", req_id)
@@ -222,7 +231,7 @@ class ScriptedConnector(KVConnectorBase_V1):
     def live_requests(self) -> dict[str, Any]:
         live: dict[str, Any] = {}
         for key, table in (("pending", self._pending_seen), ("lookup_at", self._lookup_at),
-                           ("loading", self._loading)):
+                           ("loading", self._loading), ("loads_made", self._loads_made)):
             if table:
                 live[key] = sorted(table)
         if self._recv_timers:

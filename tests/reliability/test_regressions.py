@@ -1,0 +1,180 @@
+"""Minimal reproductions of what the randomized state machine found.
+
+Each test is the shrunk failing sequence, rewritten by hand on the same harness. Composite
+bugs that are not fixed yet are ``xfail(strict=True)``: when the fix lands the test passes,
+strict xfail turns that into a failure, and whoever fixed it removes the mark and the matching
+entry of ``kv_machine.KNOWN_BUGS`` (which keeps the random suite away from the bug meanwhile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kv_machine import BLOCK
+
+from kvcompose.testing.harness import SchedulerHarness
+from kvcompose.testing.scripted import Behaviour, leaf, script
+from kvcompose.testing.trees import chain, kvcompose_config, prompt
+
+
+@pytest.fixture
+def make(tiny_model: Path) -> Iterator[Callable[..., SchedulerHarness]]:
+    made: list[SchedulerHarness] = []
+
+    def build(tree: dict[str, Any], **kw: Any) -> SchedulerHarness:
+        kw.setdefault("block_size", BLOCK)
+        kw.setdefault("with_worker", True)
+        kw.setdefault("max_model_len", 256)
+        kw.setdefault("num_blocks", 64)
+        h = SchedulerHarness(tiny_model, kvcompose_config(tree), **kw)
+        made.append(h)
+        return h
+
+    yield build
+    for h in made:
+        h.close()
+
+
+def run_holding(h: SchedulerHarness, rid: str, sender: Any, loader: Any = None,
+                max_steps: int = 40) -> None:
+    """Step until idle, checking that ``rid`` keeps its blocks until ``sender`` (the Script
+    of a child that delayed the free) reported its send and ``loader`` (the Script of the
+    child loading into them, if any) reported its receive."""
+    for _ in range(max_steps):
+        if not h.has_work():
+            return
+        h.step()
+        if rid not in h.scheduler.requests:
+            assert sender.send_reports(rid) >= 1, "blocks freed while a child was still sending"
+            assert loader is None or loader.recv_reports(rid), (
+                "blocks freed while a child was still loading into them")
+    raise AssertionError(f"still busy after {max_steps} steps: {h.describe()}")
+
+
+def keeper(h: SchedulerHarness) -> None:
+    """A plain request that keeps the engine stepping (as other traffic would), so that a
+    late signal for a request already gone reaches the scheduler."""
+    h.add_request(prompt(40, seed=99), max_tokens=12)
+
+
+# ------------------------------------------------- finish while loading, with a delayer
+FINISH_WHILE_LOADING = (
+    "composite bug: a request finished while its async load is in flight, with a child that "
+    "delays the free, gets both finished_recving and finished_sending; vLLM's scheduler "
+    "frees the request on the first and asserts on the second")
+
+
+@pytest.mark.xfail(strict=True, reason=FINISH_WHILE_LOADING)
+@pytest.mark.parametrize(("load_steps", "send_steps"), [(2, 3), (3, 1)],
+                         ids=["recv-first", "send-first"])
+def test_finish_while_loading_with_a_delaying_child_abort(make, load_steps, send_steps):
+    """Found as: add r1 (a: async hit, b: delay_free), step until a's load is in flight,
+    abort r1, step. Whichever of a's finished_recving and b's finished_sending comes first
+    frees r1 (send first: while a still loads into its blocks); the second then hits
+    ``assert req_id in self.requests`` in ``_update_from_kv_xfer_finished``."""
+    a = script("rel.a", Behaviour(tokens=48, is_async=True, load_steps=load_steps))
+    b = script("rel.b", Behaviour(delay_free=True, send_steps=send_steps))
+    h = make(chain("root", leaf("a", "rel.a"), leaf("b", "rel.b")))
+    rid = h.add_request(prompt(80), max_tokens=2).request_id
+    keeper(h)
+    h.step()
+    assert h.connector.ownership()[rid]["state"] == "loading"
+    h.abort(rid)
+    run_holding(h, rid, b, a)
+    h.assert_clean()
+
+
+@pytest.mark.xfail(strict=True, reason=FINISH_WHILE_LOADING)
+def test_finish_while_loading_with_a_delaying_child_fail_policy(make):
+    """The same with ``kv_load_failure_policy="fail"``: the scheduler finishes the request
+    (FINISHED_ERROR, request_finished → b delays) before it processes the finished_recving
+    that came with the failure in the same output."""
+    script("rel.a", Behaviour(tokens=48, is_async=True, load="fail"))
+    b = script("rel.b", Behaviour(delay_free=True, send_steps=2))
+    h = make(chain("root", leaf("a", "rel.a"), leaf("b", "rel.b")),
+             kv_load_failure_policy="fail")
+    rid = h.add_request(prompt(80), max_tokens=2).request_id
+    keeper(h)
+    run_holding(h, rid, b)
+    assert "error" in str(h.finished[rid].finish_reason).lower()
+    h.assert_clean()
+
+
+@pytest.mark.xfail(strict=True, reason=FINISH_WHILE_LOADING)
+def test_finish_while_loading_with_a_delaying_child_nested(make):
+    """The delaying child inside a nested node that also owns the load (the nested node
+    itself returns delay=True while its load is in flight)."""
+    x = script("rel.x", Behaviour(tokens=48, is_async=True, load_steps=2))
+    y = script("rel.y", Behaviour(delay_free=True, send_steps=3))
+    script("rel.z", Behaviour())
+    inner = chain("inner", leaf("x", "rel.x"), leaf("y", "rel.y"))
+    h = make(chain("root", inner, leaf("z", "rel.z"), policy="longest"))
+    rid = h.add_request(prompt(80), max_tokens=2).request_id
+    keeper(h)
+    h.step()
+    assert h.connector.ownership()[rid]["owner"] == "inner"
+    h.abort(rid)
+    run_holding(h, rid, y, x)
+    h.assert_clean()
+
+
+def test_finish_while_loading_without_a_delaying_child_is_fine(make):
+    """The control: the same abort with no delaying child ends cleanly."""
+    a = script("rel.a", Behaviour(tokens=48, is_async=True, load_steps=3))
+    script("rel.b", Behaviour())
+    h = make(chain("root", leaf("a", "rel.a"), leaf("b", "rel.b")))
+    rid = h.add_request(prompt(80), max_tokens=2).request_id
+    h.step()
+    h.abort(rid)
+    h.run_until_idle(max_steps=20)
+    assert a.recv_reports(rid) == [False]
+    h.assert_clean()
+
+
+# --------------------------------------------- block-level total failure, no exclusion
+@pytest.mark.xfail(strict=True, reason=(
+    "composite bug: an async load whose blocks are all reported invalid (a block-level total "
+    "failure) does not exclude its owner; under recompute vLLM looks the request up again, "
+    "the same child wins again and fails again: the request never runs"))
+def test_total_invalid_block_failure_excludes_the_owner(make):
+    """Found as a liveness failure: a fan-out loading from b, b's async load reports its
+    first block invalid (no local hit: nothing valid), kv_load_failure_policy=recompute.
+    vLLM frees the blocks and looks the request up again (contract §2.4); the ledger is
+    LOADED, not FAILED, so b is asked again. Expected: b excluded as after a
+    failed_recving, the next child (a) serves the request."""
+    b = script("rel.b", Behaviour(tokens=64, is_async=True, load="invalid"))
+    a = script("rel.a", Behaviour(tokens=32))
+    h = make(chain("root", leaf("b", "rel.b"), leaf("a", "rel.a")),
+             kv_load_failure_policy="recompute")
+    rid = h.add_request(prompt(80), max_tokens=2).request_id
+    h.run_until_idle(max_steps=40)
+    assert b.lookups(rid) == 1, "the failed child must be skipped on the re-lookup"
+    assert 32 in [n for n, _ in a.allocations(rid)], "the next child serves the request"
+    h.assert_clean()
+
+
+def test_transient_total_invalid_block_failure_recovers(make):
+    """The control: when the child's second load succeeds, the request completes."""
+    b = script("rel.b", Behaviour(tokens=64, is_async=True, load="invalid", failed_loads=1))
+    script("rel.a", Behaviour())
+    h = make(chain("root", leaf("b", "rel.b"), leaf("a", "rel.a")),
+             kv_load_failure_policy="recompute")
+    rid = h.add_request(prompt(80), max_tokens=2).request_id
+    h.run_until_idle(max_steps=40)
+    assert b.recv_reports(rid)[0] is False and len(b.recv_reports(rid)) <= 2
+    h.assert_clean()
+
+
+def test_partial_invalid_block_failure_recomputes_locally(make):
+    """A partial block-level failure (bad block 2 of 4): the valid prefix is kept, the rest
+    recomputed, no second lookup (contract §2.4)."""
+    b = script("rel.b", Behaviour(tokens=64, is_async=True, load="invalid", invalid_block=2))
+    h = make(chain("root", leaf("b", "rel.b")), kv_load_failure_policy="recompute")
+    req = h.add_request(prompt(80), max_tokens=2)
+    h.run_until_idle(max_steps=40)
+    assert b.lookups(req.request_id) == 1
+    assert h.finished[req.request_id].finish_reason is not None
+    h.assert_clean()
