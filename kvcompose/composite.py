@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvcompose")
+
+T = TypeVar("T")
 
 
 class ParamsClash(ValueError):
@@ -105,9 +107,13 @@ class CompositeConnector(KVConnectorBase_V1):
         self._lookup_timeout_s = self.spec.lookup_timeout_s
         # scheduler side
         self.ledger = Ledger()
+        self._block_size = vllm_config.cache_config.block_size
         self._step_loads: dict[str, int] = {}
+        self._step_sync_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._step_sends: dict[str, tuple[int, ...]] = {}
         self._partial_tails: dict[str, set[int]] = {}
+        self._send_children: dict[str, tuple[int, ...]] = {}  # until finished_sending
+        self._recv_after_finish: dict[str, int] = {}  # aborted loads, until finished_recving
         # worker side
         self.signals = WorkerSignals(self.guard)
         self._check_finished_counts(vllm_config)
@@ -125,6 +131,10 @@ class CompositeConnector(KVConnectorBase_V1):
             tables["ledger"] = self.ledger.snapshot()
         if self._partial_tails:
             tables["partial_tails"] = {k: sorted(v) for k, v in self._partial_tails.items()}
+        if self._send_children:
+            tables["sends_pending"] = dict(self._send_children)
+        if self._recv_after_finish:
+            tables["aborted_loads_pending"] = dict(self._recv_after_finish)
         tables.update(self.signals.live())
         for child in self.children:
             live = getattr(child.connector, "live_requests", None)
@@ -150,16 +160,39 @@ class CompositeConnector(KVConnectorBase_V1):
         return table
 
     # ------------------------------------------------------------- rule helpers
+    # Errors: ``_all`` lets a child's exception through (set-up and bookkeeping calls a
+    # child cannot work without); the others contain it by the child's ``on_error`` policy.
     def _all(self, method: str, *args: Any, **kwargs: Any) -> None:
         for child in self._connectors:
             getattr(child, method)(*args, **kwargs)
 
+    def _call(self, child: int, method: str, default: T, *args: Any, **kwargs: Any) -> T:
+        try:
+            return getattr(self._connectors[child], method)(*args, **kwargs)
+        except Exception as exc:
+            self.guard.child_error(child, method, exc)  # re-raises under on_error: fail
+            return default
+
+    def _all_contained(self, method: str, *args: Any, **kwargs: Any) -> None:
+        for i in range(len(self._connectors)):
+            self._call(i, method, None, *args, **kwargs)
+
+    def _all_loading(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Worker calls that load KV: a child that raises fails its own loads, no other's."""
+        for i, child in enumerate(self._connectors):
+            try:
+                getattr(child, method)(*args, **kwargs)
+            except Exception as exc:
+                self.signals.fail_loads_of(i)
+                self.guard.child_error(i, method, exc)
+
     def _savers_all(self, method: str, *args: Any, **kwargs: Any) -> None:
-        for child in self._savers:
-            getattr(child, method)(*args, **kwargs)
+        for i, child in enumerate(self.children):
+            if child.saves:
+                self._call(i, method, None, *args, **kwargs)
 
     def _any(self, method: str) -> bool:
-        return any(getattr(child, method)() for child in self._connectors)
+        return any(self._call(i, method, False) for i in range(len(self._connectors)))
 
     # ======================================================== scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
@@ -176,6 +209,8 @@ class CompositeConnector(KVConnectorBase_V1):
         pending = False
         timeouts: list[int] = []
         for child in candidates.children:
+            if child in self.guard.disabled:
+                continue
             if child in record.excluded:
                 if trace is not None:
                     trace.append(f"{self.children[child].name}=excluded(failed)")
@@ -208,7 +243,7 @@ class CompositeConnector(KVConnectorBase_V1):
         if record.excluded:
             reason += "+fallback"
         owner, tokens, is_async = best if best is not None else (None, 0, False)
-        self.ledger.decide(record, owner, tokens, is_async, reason)
+        self.ledger.decide(record, owner, tokens, is_async, reason, num_computed_tokens)
         if owner is not None:
             self.counters.hit(owner, tokens)
         if trace is not None:
@@ -241,18 +276,29 @@ class CompositeConnector(KVConnectorBase_V1):
                 if n > 0:
                     raise  # the scheduler already counts these tokens: a load must happen
                 self.guard.child_error(i, "update_state_after_alloc", exc)
-        if (num_external_tokens > 0 and record is not None and record.is_async
-                and record.state is LoadState.LOADING):
-            assert owner is not None
-            self._step_loads[req_id] = owner
+        if num_external_tokens > 0 and record is not None and owner is not None:
+            if record.state is LoadState.LOADING:
+                self._step_loads[req_id] = owner
+            elif record.state is LoadState.LOADED:
+                self._step_sync_loads[req_id] = (owner, self._load_blocks(
+                    blocks, record.local_tokens, num_external_tokens))
+
+    def _load_blocks(self, blocks: KVCacheBlocks, local_tokens: int, n: int
+                     ) -> tuple[int, ...]:
+        """The block ids a load of ``n`` tokens after ``local_tokens`` writes (group 0)."""
+        block_size = self._block_size
+        first = local_tokens // block_size
+        last = -(-(local_tokens + n) // block_size)
+        return tuple(blocks.get_block_ids()[0][first:last])
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
                                        ) -> dict[Any, int]:
         owner = self.ledger.owner(request.request_id)
+        default = super().get_external_cache_hit_sources(request, num_external_tokens)
         if owner is None:
-            return super().get_external_cache_hit_sources(request, num_external_tokens)
-        return self._connectors[owner].get_external_cache_hit_sources(request,
-                                                                      num_external_tokens)
+            return default
+        return self._call(owner, "get_external_cache_hit_sources", default, request,
+                          num_external_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         owner = self.ledger.owner(request.request_id)
@@ -262,21 +308,40 @@ class CompositeConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         children = tuple(c.build_connector_meta(scheduler_output) for c in self._connectors)
-        metadata = CompositeMetadata(children, self._step_loads, self._step_sends)
-        self._step_loads, self._step_sends = {}, {}
+        metadata = CompositeMetadata(children, self._step_loads, self._step_sync_loads,
+                                     self._step_sends)
+        self._step_loads, self._step_sync_loads, self._step_sends = {}, {}, {}
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Each child sees the step's output as if it were the only connector: receives and
+        failures of the loads it owns, sends of the requests it delayed, its own worker
+        metadata and KV events (upstream hands every child everything, so a child that
+        tracks its failures blames itself for another child's failed load)."""
+        recv = connector_output.finished_recving or set()
         failed = connector_output.failed_recving or set()
-        for req_id in connector_output.finished_recving or ():
+        sent = connector_output.finished_sending or set()
+        recv_by: dict[int, set[str]] = {}
+        for req_id in recv | failed:
+            owner = self.ledger.owner(req_id)
+            if owner is None:
+                owner = self._recv_after_finish.pop(req_id, None)
             self.ledger.recv_finished(req_id, failed=req_id in failed)
-        for req_id in failed:
-            self.ledger.recv_finished(req_id, failed=True)
+            if owner is not None:
+                recv_by.setdefault(owner, set()).add(req_id)
+        sent_by: dict[int, set[str]] = {}
+        for req_id in sent:
+            for child in self._send_children.pop(req_id, ()):
+                sent_by.setdefault(child, set()).add(req_id)
         worker_meta = connector_output.kv_connector_worker_meta
         events = connector_output.kv_cache_events
-        for i, child in enumerate(self._connectors):
-            child.update_connector_output(dataclasses.replace(
+        for i in range(len(self._connectors)):
+            mine = recv_by.get(i, set())
+            self._call(i, "update_connector_output", None, dataclasses.replace(
                 connector_output,
+                finished_recving=mine or None,
+                failed_recving=mine & failed,
+                finished_sending=sent_by.get(i) or None,
                 kv_connector_worker_meta=(worker_meta.children[i]
                                           if isinstance(worker_meta, ComposedWorkerMeta)
                                           else None),
@@ -285,9 +350,9 @@ class CompositeConnector(KVConnectorBase_V1):
 
     def register_finished_partial_tail(self, request: Request, block_ids: tuple[list[int], ...],
                                        partial_tail_offloads: list[tuple[int, int, int]]) -> bool:
-        accepted = {i for i, child in enumerate(self._connectors)
-                    if child.register_finished_partial_tail(request, block_ids,
-                                                            partial_tail_offloads)}
+        accepted = {i for i in range(len(self._connectors))
+                    if self._call(i, "register_finished_partial_tail", False, request,
+                                  block_ids, partial_tail_offloads)}
         if accepted:
             self._partial_tails[request.request_id] = accepted
         return bool(accepted)
@@ -317,11 +382,14 @@ class CompositeConnector(KVConnectorBase_V1):
                 delaying.add(i)
             if params:
                 merged = self._merge_params(merged, params, producer, i, req_id)
-        self.ledger.finished(req_id)
+        record = self.ledger.finished(req_id)
+        if record is not None and record.state is LoadState.LOADING:
+            # aborted while loading: the owner's receive still comes, and is the owner's
+            self._recv_after_finish[req_id] = record.owner  # type: ignore[assignment]
         if first_error is not None:
             raise first_error
         if delaying:
-            self._step_sends[req_id] = tuple(sorted(delaying))
+            self._step_sends[req_id] = self._send_children[req_id] = tuple(sorted(delaying))
         return bool(delaying), merged
 
     def _merge_params(self, merged: dict[str, Any] | None, params: dict[str, Any],
@@ -339,11 +407,11 @@ class CompositeConnector(KVConnectorBase_V1):
         return merged
 
     def on_new_request(self, request: Request) -> None:
-        self._all("on_new_request", request)
+        self._all_contained("on_new_request", request)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        for child in self._connectors:
-            yield from child.take_events()
+        for i in range(len(self._connectors)):
+            yield from self._call(i, "take_events", ())
 
     def has_pending_block_frees(self) -> bool:
         return self._any("has_pending_block_frees")
@@ -371,7 +439,7 @@ class CompositeConnector(KVConnectorBase_V1):
         return None if value == world_size else value
 
     def reset_cache(self) -> bool | None:
-        results = [child.reset_cache() for child in self._connectors]
+        results = [self._call(i, "reset_cache", False) for i in range(len(self._connectors))]
         if any(r is False for r in results):
             return False
         if results and all(r is True for r in results):
@@ -447,10 +515,10 @@ class CompositeConnector(KVConnectorBase_V1):
         self._all("clear_connector_metadata")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._all("start_load_kv", forward_context, **kwargs)
+        self._all_loading("start_load_kv", forward_context, **kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._all("wait_for_layer_load", layer_name)
+        self._all_loading("wait_for_layer_load", layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -460,8 +528,15 @@ class CompositeConnector(KVConnectorBase_V1):
         self._savers_all("wait_for_save")
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self.signals.combine(
-            [c.get_transfer_results(finished_req_ids) for c in self._connectors])
+        results = []
+        for i, child in enumerate(self._connectors):
+            try:
+                results.append(child.get_transfer_results(finished_req_ids))
+            except Exception as exc:
+                self.signals.fail_loads_of(i)
+                self.guard.child_error(i, "get_transfer_results", exc)
+                results.append(None)
+        return self.signals.combine(results)
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
@@ -470,12 +545,17 @@ class CompositeConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors: set[int] = set()
-        for child in self._connectors:
-            errors |= child.get_block_ids_with_load_errors()
-        return errors
+        for i, child in enumerate(self._connectors):
+            try:
+                errors |= child.get_block_ids_with_load_errors()
+            except Exception as exc:
+                self.signals.fail_loads_of(i)
+                self.guard.child_error(i, "get_block_ids_with_load_errors", exc)
+        return errors | self.signals.take_failed_blocks()
 
     def get_kv_connector_kv_cache_events(self) -> ComposedKVEvents | None:
-        events = [c.get_kv_connector_kv_cache_events() for c in self._connectors]
+        events = [self._call(i, "get_kv_connector_kv_cache_events", None)
+                  for i in range(len(self._connectors))]
         return None if all(e is None for e in events) else ComposedKVEvents(events)
 
     def get_handshake_metadata(self) -> ComposedHandshake | None:
@@ -483,7 +563,8 @@ class CompositeConnector(KVConnectorBase_V1):
         return None if all(p is None for p in parts) else ComposedHandshake(parts)
 
     def build_connector_worker_meta(self) -> ComposedWorkerMeta | None:
-        parts = tuple(c.build_connector_worker_meta() for c in self._connectors)
+        parts = tuple(self._call(i, "build_connector_worker_meta", None)
+                      for i in range(len(self._connectors)))
         return None if all(p is None for p in parts) else ComposedWorkerMeta(parts)
 
     # ============================================================= both sides

@@ -8,9 +8,11 @@ It does three things, and nothing else:
   changed: LMCache asserts it receives exactly what it promised;
 - **counts** every contract violation per child and kind, and logs each kind once per child;
   in ``strict`` mode (for connector authors' tests) it raises ``ContractViolation`` instead;
-- **contains errors** from scheduler-side lookups according to the child's ``on_error``
-  policy: ``miss`` (the default) treats the exception as a miss for that request and logs it
-  once per child and error type; ``fail`` re-raises.
+- **contains errors** according to the child's ``on_error`` policy: ``miss`` (the default)
+  lets the caller fall back (a lookup error is a miss for that request; see
+  ``docs/concepts.md`` for every method) and logs it once per child and error type; ``fail``
+  re-raises. A child whose lookups raise ``MAX_LOOKUP_ERRORS`` times is taken out of lookups
+  for new requests (it still hears allocations and finishes), with a log line.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("kvcompose")
+
+
+#: Lookup errors after which a child is no longer asked to look requests up.
+MAX_LOOKUP_ERRORS = 5
 
 
 class ContractViolation(AssertionError):
@@ -39,6 +45,8 @@ class Guard:
         self.on_error = on_error
         self.violations: Counter[tuple[str, str]] = Counter()
         self.errors: Counter[tuple[str, str]] = Counter()
+        self.lookup_errors: Counter[int] = Counter()
+        self.disabled: set[int] = set()
 
     # ------------------------------------------------------------ violations
     def violation(self, child: int, kind: str, detail: str) -> None:
@@ -84,6 +92,13 @@ class Guard:
         self._count(f"errors.{name}.{where}")
         if self.on_error[child] == "fail" or self.strict:
             raise exc
+        if where == "get_num_new_matched_tokens":
+            self.lookup_errors[child] += 1
+            if self.lookup_errors[child] >= MAX_LOOKUP_ERRORS and child not in self.disabled:
+                self.disabled.add(child)
+                logger.error("kvcompose[%s]: child %r failed %d lookups; it is no longer asked "
+                             "to look up new requests", self.node_name, name,
+                             self.lookup_errors[child])
         if first:
             logger.error("kvcompose[%s]: child %r raised %s in %s; treated as a miss "
                          "(logged once per child and error type)", self.node_name, name,

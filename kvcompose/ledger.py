@@ -55,6 +55,7 @@ class LoadRecord:
     owner: int | None = None
     tokens: int = 0
     is_async: bool = False
+    local_tokens: int = 0  # the local prefix hit the lookup was shown; the load starts there
     reason: str = ""
     pending_since: float | None = None
     lookups: int = 0
@@ -107,8 +108,9 @@ class Ledger:
             record.pending_since = now
 
     def decide(self, record: LoadRecord, owner: int | None, tokens: int, is_async: bool,
-               reason: str) -> None:
+               reason: str, local_tokens: int = 0) -> None:
         record.state = LoadState.OWNED
+        record.local_tokens = local_tokens
         record.owner, record.tokens, record.is_async = owner, tokens, is_async
         record.reason = reason
         record.pending_since = None

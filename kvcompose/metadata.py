@@ -24,12 +24,15 @@ class CompositeMetadata(KVConnectorMetadata):
 
     ``loads``: async loads handed out this step, request id → owner child index; the worker
     forwards that child's ``finished_recving``/``failed_recving`` for the request, once.
+    ``sync_loads``: sync loads of this step, request id → (owner, block ids the load writes);
+    if the owner raises on the worker, those blocks are reported as failed loads.
     ``sends``: requests finished this step whose blocks stay alive, request id → the children
     that asked to delay the free; the worker reports ``finished_sending`` once all of them did.
     """
 
     children: tuple[KVConnectorMetadata | None, ...]
     loads: dict[str, int] = field(default_factory=dict)
+    sync_loads: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     sends: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 

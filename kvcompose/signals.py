@@ -29,15 +29,37 @@ class WorkerSignals:
         self._guard = guard
         self._recv_owner: dict[str, int] = {}
         self._send_waiting: dict[str, set[int]] = {}
+        self._sync_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._failed_loads: set[str] = set()
+        self._failed_blocks: set[int] = set()
 
     def on_metadata(self, metadata: CompositeMetadata) -> None:
         self._recv_owner.update(metadata.loads)
+        self._sync_loads = metadata.sync_loads
         for req_id, children in metadata.sends.items():
             self._send_waiting[req_id] = set(children)
+
+    def fail_loads_of(self, child: int) -> None:
+        """``child`` raised on the worker: its loads cannot be trusted. Its async loads in
+        flight are reported failed (once), its sync loads of this step as failed blocks, so
+        vLLM recomputes (or fails) those requests instead of using garbage or waiting forever."""
+        self._failed_loads.update(r for r, owner in self._recv_owner.items() if owner == child)
+        for owner, blocks in self._sync_loads.values():
+            if owner == child:
+                self._failed_blocks.update(blocks)
+
+    def take_failed_blocks(self) -> set[int]:
+        blocks, self._failed_blocks = self._failed_blocks, set()
+        return blocks
 
     def combine(self, results: Sequence[KVConnectorTransferResults | None]
                 ) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
+        for req_id in self._failed_loads:
+            if self._recv_owner.pop(req_id, None) is not None:
+                out.finished_recving.add(req_id)
+                out.failed_recving.add(req_id)
+        self._failed_loads.clear()
         for child, result in enumerate(results):
             if result is None:
                 continue

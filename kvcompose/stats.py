@@ -73,8 +73,8 @@ class ComposedStats(KVConnectorStats):
     @classmethod
     def collect(cls, node: CompositeConnector) -> ComposedStats:
         children: dict[str, dict[str, Any]] = {}
-        for child in node.children:
-            stats = child.connector.get_kv_connector_stats()
+        for i, child in enumerate(node.children):
+            stats = node._call(i, "get_kv_connector_stats", None)
             if stats is not None and not stats.is_empty():
                 children[child.name] = {"cls": class_path(type(child.connector)),
                                         "data": stats.to_dict()}

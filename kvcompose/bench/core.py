@@ -24,6 +24,7 @@ import os
 import platform
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -183,25 +184,29 @@ def run_job(job: dict[str, Any], job_dir: Path, *, timeout_s: float,
         reader.start()
         deadline = time.monotonic() + timeout_s
         timed_out = False
-        while True:
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    timed_out = True
-                    proc.kill()
+        try:
+            while True:
+                try:
+                    line = lines.get(timeout=0.5)
+                except queue.Empty:
+                    if time.monotonic() > deadline:
+                        timed_out = True
+                        proc.kill()
+                        break
+                    continue
+                if line is None:
                     break
-                continue
-            if line is None:
-                break
-            if line.startswith(PROGRESS_PREFIX):
-                if on_progress is not None:
-                    with contextlib.suppress(ValueError):
-                        on_progress(json.loads(line[len(PROGRESS_PREFIX):]))
-            else:
-                log.write(line)
-        rc = proc.wait()
-        reader.join(timeout=5)
+                if line.startswith(PROGRESS_PREFIX):
+                    if on_progress is not None:
+                        with contextlib.suppress(ValueError):
+                            on_progress(json.loads(line[len(PROGRESS_PREFIX):]))
+                else:
+                    log.write(line)
+        finally:
+            if proc.poll() is None and not timed_out:  # interrupted: take the engine down too
+                proc.kill()
+            rc = proc.wait()
+            reader.join(timeout=5)
     result: dict[str, Any] = {}
     if result_file.exists():
         with contextlib.suppress(ValueError):
@@ -326,6 +331,7 @@ def run_bench(opts: BenchOptions, console: Any = None) -> dict[str, Any]:
     tmpfs_base = opts.tmpfs_root or _default_tmpfs_root()
     tmp_owned = None
     if tmpfs_base:
+        Path(tmpfs_base).mkdir(parents=True, exist_ok=True)
         tmp_owned = tempfile.mkdtemp(prefix="kvcompose-bench-", dir=tmpfs_base)
         tmpfs_root = tmp_owned
     else:
@@ -366,6 +372,7 @@ def run_bench(opts: BenchOptions, console: Any = None) -> dict[str, Any]:
     }
 
     n_jobs = len(opts.seeds) * (1 + sum(1 for r in runs if r.resolved is not None))
+    previous = _exit_on_sigterm()
     try:
         with _Progress(opts.progress, console) as prog:
             overall = prog.add("kvcompose bench", n_jobs)
@@ -389,6 +396,8 @@ def run_bench(opts: BenchOptions, console: Any = None) -> dict[str, Any]:
                         prog.log(f"[red]chain {run.chain.label!r} failed:[/red] "
                                  f"{res.get('error')} (log: {res.get('log')})")
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if tmp_owned and not opts.keep_stores:
             shutil.rmtree(tmp_owned, ignore_errors=True)
         if not opts.keep_stores:
@@ -402,6 +411,18 @@ def run_bench(opts: BenchOptions, console: Any = None) -> dict[str, Any]:
     results["meta"]["duration_s"] = round(time.perf_counter() - t_start, 1)
     report.write_all(results, runs, out, plots=opts.plots)
     return results
+
+
+def _exit_on_sigterm() -> Any:
+    """Turn SIGTERM into ``SystemExit`` (main thread only), so that stores and the running
+    engine are cleaned up; returns the previous handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _label_of(arg: str) -> str:

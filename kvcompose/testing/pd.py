@@ -121,6 +121,36 @@ class EngineProcess:
             time.sleep(0.2)
         return False
 
+    def call(self, fn: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(llm, *args, **kwargs)`` inside the engine process and return its result.
+
+        ``fn`` is a module-level function or its ``"package.module:name"``; it gets the
+        process's ``vllm.LLM`` and runs between engine steps (the idle stepping pauses while
+        it runs). Arguments and result travel by pickle. The engine-side helpers below
+        (``snapshot``, ``trace_on``, ``run_requests``, ``submit_and_abort``, ...) are meant
+        for it."""
+        return self._call("call", fn, args, kwargs)
+
+    def inspect(self) -> dict[str, Any]:
+        """``snapshot`` of the engine: block pool usage, requests held by the scheduler,
+        kvcompose's and NIXL's per-request tables still holding something."""
+        return self.call(snapshot)
+
+    def wait_until(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 60.0,
+        interval: float = 0.05,
+    ) -> dict[str, Any] | None:
+        """Poll ``inspect()`` until ``predicate(snapshot)`` holds; the first snapshot that
+        satisfies it, or ``None`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            snap = self.inspect()
+            if predicate(snap):
+                return snap
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(interval)
+
     def close(self, timeout: float = 60.0) -> None:
         """Shut the engine down and end the process (killed after ``timeout``)."""
         if self._closed:
@@ -298,6 +328,9 @@ def _serve(conn: Any, llm: Any, core: Any, greedy: Callable[..., Any]) -> None:
                 conn.send(("ok", _metrics(llm)))
             elif op == "idle":
                 conn.send(("ok", not core.scheduler.has_requests()))
+            elif op == "call":
+                _, fn, args, kwargs = msg
+                conn.send(("ok", _resolve(fn)(llm, *args, **kwargs)))
             else:
                 conn.send(("error", f"unknown op {op!r}"))
         except Exception:
@@ -317,3 +350,373 @@ def _metrics(llm: Any) -> dict[str, Any]:
         elif isinstance(m, Vector):
             out[m.name] = list(m.values)
     return out
+
+
+# ----------------------------------------------------------------------------- engine side
+# Functions run inside an engine process through ``EngineProcess.call`` (their first argument
+# is that process's ``vllm.LLM``). They read state, or wrap methods to record what happened
+# without changing what the methods do. Times are ``time.monotonic()``, which is one clock for
+# every process of the machine, so events of the P and D engines can be compared.
+
+
+def _resolve(fn: str | Callable[..., Any]) -> Callable[..., Any]:
+    if callable(fn):
+        return fn
+    import importlib
+
+    module, _, name = fn.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _core(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
+
+
+def _walk(connector: Any, path: str = "") -> list[tuple[str, Any]]:
+    """``(path, connector)`` for a connector and its descendants. Children of a kvcompose
+    node are named by node name, MultiConnector's by ``<index>.<class>``."""
+    if connector is None:
+        return []
+    out = [(path or "root", connector)]
+    children = getattr(connector, "children", None)
+    subs = getattr(connector, "_connectors", None)
+    if subs is None:
+        return out
+    for i, sub in enumerate(subs):
+        if children is not None and i < len(children) and hasattr(children[i], "name"):
+            name = children[i].name
+        else:
+            name = f"{i}.{type(sub).__name__}"
+        out.extend(_walk(sub, f"{path}/{name}" if path else name))
+    return out
+
+
+def scheduler_connectors(llm: Any) -> dict[str, Any]:
+    """The scheduler-side connector tree, by path (``"root"``, ``"nixl"``, ``"a/b"``)."""
+    return dict(_walk(_core(llm).scheduler.connector))
+
+
+def worker_connectors(llm: Any) -> dict[str, Any]:
+    """The worker-side connector tree of a single-process engine, by path."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        root = get_kv_transfer_group()
+    except Exception:
+        return {}
+    return dict(_walk(root))
+
+
+#: Per-request tables of NIXL's scheduler and worker halves that must be empty once nothing
+#: is in flight (P: blocks waiting for D's read; D: reads and notifications not done).
+NIXL_SCHEDULER_TABLES = ("_reqs_need_recv", "_reqs_need_save", "_reqs_need_send",
+                         "_reqs_in_batch", "_reqs_not_processed", "_heartbeat_req_engine")
+NIXL_WORKER_TABLES = ("_recving_metadata", "_recving_transfers", "_reqs_to_send",
+                      "_reqs_to_process", "consumer_notification_counts_by_req")
+
+
+def _tables(obj: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in names:
+        table = getattr(obj, name, None)
+        if table:
+            out[name] = sorted(str(k) for k in table)
+    ready = getattr(obj, "_ready_requests", None)
+    if ready is not None and ready.qsize():
+        out["_ready_requests"] = ready.qsize()
+    return out
+
+
+def nixl_live(llm: Any) -> dict[str, Any]:
+    """NIXL's per-request tables that still hold something, per NIXL connector in the tree
+    (``{}`` when nothing is in flight). ``_reqs_to_send`` on P: requests whose blocks wait
+    for D's read (with their lease)."""
+    out: dict[str, Any] = {}
+    for side, tree in (("scheduler", scheduler_connectors(llm)),
+                       ("worker", worker_connectors(llm))):
+        for path, conn in tree.items():
+            if type(conn).__name__ != "NixlConnector":
+                continue
+            half = getattr(conn, f"connector_{side}", None)
+            names = NIXL_SCHEDULER_TABLES if side == "scheduler" else NIXL_WORKER_TABLES
+            live = _tables(half, names) if half is not None else {}
+            if live:
+                out.setdefault(path, {})[side] = live
+    return out
+
+
+def kvcompose_live(llm: Any) -> dict[str, Any]:
+    """``live_requests()`` of the kvcompose root on the scheduler and the worker side
+    (``{}`` when nothing is in flight or the root is not a kvcompose node)."""
+    out: dict[str, Any] = {}
+    for side, tree in (("scheduler", scheduler_connectors(llm)),
+                       ("worker", worker_connectors(llm))):
+        root = tree.get("root")
+        live = getattr(root, "live_requests", None)
+        if live is not None:
+            tables = live()
+            if tables:
+                out[side] = tables
+    return out
+
+
+def snapshot(llm: Any) -> dict[str, Any]:
+    """What the engine holds now: ``used_blocks`` (of ``total_blocks``, cached-but-free
+    blocks count as free), ``requests`` (request id → status, KV blocks held; finished
+    requests whose blocks wait for a transfer stay here), queue lengths, the scheduler's
+    step count since ``trace_on`` (or None), ``kvcompose`` and ``nixl`` live tables."""
+    sched = _core(llm).scheduler
+    pool = sched.kv_cache_manager.block_pool
+    total = pool.num_gpu_blocks - 1  # the null block is never free
+    free = pool.get_num_free_blocks()
+    requests: dict[str, Any] = {}
+    for req_id, req in sched.requests.items():
+        try:
+            blocks = sum(len(g) for g in sched.kv_cache_manager.get_block_ids(req_id))
+        except Exception:
+            blocks = None
+        requests[req_id] = {"status": req.status.name, "blocks": blocks,
+                            "computed": req.num_computed_tokens}
+    trace = _TRACE.get("trace")
+    return {
+        "t": time.monotonic(),
+        "total_blocks": total,
+        "free_blocks": free,
+        "used_blocks": total - free,
+        "deferred_frees": len(getattr(sched, "deferred_frees", ()) or ()),
+        "requests": requests,
+        "running": len(sched.running),
+        "waiting": len(sched.waiting),
+        "has_requests": sched.has_requests(),
+        "steps": None if trace is None else trace["steps"],
+        "kvcompose": kvcompose_live(llm),
+        "nixl": nixl_live(llm),
+    }
+
+
+def is_clean(snap: dict[str, Any]) -> bool:
+    """No request, no used block, no deferred free, empty kvcompose and NIXL tables."""
+    return (not snap["requests"] and snap["used_blocks"] == 0 and not snap["deferred_frees"]
+            and not snap["kvcompose"] and not snap["nixl"])
+
+
+_TRACE: dict[str, Any] = {}
+
+
+def trace_on(llm: Any) -> None:
+    """Record, with ``time.monotonic()`` stamps: every scheduler step; every block free of a
+    request (``free``: request id, blocks); and for every connector of the scheduler-side
+    tree, each ``lookup`` (what it answered), ``alloc`` (the tokens it was told) and
+    ``finished`` (whether it delays the free). Idempotent; ``take_trace`` reads it."""
+    if "trace" in _TRACE:
+        return
+    trace: dict[str, Any] = {"steps": 0, "step_times": [], "events": []}
+    _TRACE["trace"] = trace
+    sched = _core(llm).scheduler
+    events = trace["events"]
+
+    orig_schedule = sched.schedule
+
+    def schedule(*a: Any, **kw: Any) -> Any:
+        trace["steps"] += 1
+        times = trace["step_times"]
+        times.append(time.monotonic())
+        if len(times) > 20000:
+            del times[:10000]
+        return orig_schedule(*a, **kw)
+
+    sched.schedule = schedule
+
+    orig_free = sched._free_blocks
+
+    def free_blocks(request: Any) -> Any:
+        try:
+            n = sum(len(g) for g in sched.kv_cache_manager.get_block_ids(request.request_id))
+        except Exception:
+            n = None
+        events.append({"kind": "free", "t": time.monotonic(), "req": request.request_id,
+                       "blocks": n, "step": trace["steps"]})
+        return orig_free(request)
+
+    sched._free_blocks = free_blocks
+
+    for path, conn in scheduler_connectors(llm).items():
+        _wrap_connector(conn, path, trace)
+
+
+def _wrap_connector(conn: Any, path: str, trace: dict[str, Any]) -> None:
+    events = trace["events"]
+    lookup, alloc, finish = (conn.get_num_new_matched_tokens, conn.update_state_after_alloc,
+                             conn.request_finished)
+
+    def get_num_new_matched_tokens(request: Any, num_computed_tokens: int) -> Any:
+        result = lookup(request, num_computed_tokens)
+        events.append({"kind": "lookup", "t": time.monotonic(), "node": path,
+                       "req": request.request_id, "local": num_computed_tokens,
+                       "result": tuple(result), "step": trace["steps"]})
+        return result
+
+    def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+        events.append({"kind": "alloc", "t": time.monotonic(), "node": path,
+                       "req": request.request_id, "tokens": num_external_tokens,
+                       "step": trace["steps"]})
+        return alloc(request, blocks, num_external_tokens)
+
+    def request_finished(request: Any, block_ids: Any) -> Any:
+        result = finish(request, block_ids)
+        events.append({"kind": "finished", "t": time.monotonic(), "node": path,
+                       "req": request.request_id, "delay": bool(result[0]),
+                       "status": request.status.name, "step": trace["steps"]})
+        return result
+
+    conn.get_num_new_matched_tokens = get_num_new_matched_tokens
+    conn.update_state_after_alloc = update_state_after_alloc
+    conn.request_finished = request_finished
+
+
+def take_trace(llm: Any, clear: bool = True) -> dict[str, Any]:
+    """The recorded events (and step times) since ``trace_on`` or the last ``take_trace``."""
+    trace = _TRACE.get("trace")
+    if trace is None:
+        return {"steps": None, "step_times": [], "events": []}
+    out = {"steps": trace["steps"], "step_times": list(trace["step_times"]),
+           "events": list(trace["events"])}
+    if clear:
+        trace["events"].clear()
+        trace["step_times"].clear()
+    return out
+
+
+def _sampling(max_tokens: int, params: dict[str, Any] | None) -> Any:
+    from kvcompose.testing.engine import sampling_params
+
+    return sampling_params(max_tokens,
+                           extra_args={"kv_transfer_params": dict(params)} if params else None)
+
+
+def run_requests(
+    llm: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    kv_transfer_params: dict[str, Any] | list[dict[str, Any] | None] | None = None,
+    *,
+    request_ids: list[str] | None = None,
+    timeout: float = 300.0,
+) -> list[dict[str, Any]]:
+    """Greedy generation like ``EngineProcess.generate``, with more detail per prompt:
+    ``request_id`` (the engine's internal id), ``token_ids``, ``kv_transfer_params``,
+    ``num_cached_tokens`` (local and external prefix hits)."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    if kv_transfer_params is None or isinstance(kv_transfer_params, dict):
+        per_prompt = [kv_transfer_params] * len(prompts)
+    else:
+        per_prompt = list(kv_transfer_params)
+    ids = request_ids or [f"run-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    internal: dict[str, str] = {}
+    for ext, prompt, params in zip(ids, prompts, per_prompt, strict=True):
+        internal[ext] = engine.add_request(ext, TokensPrompt(prompt_token_ids=list(prompt)),
+                                           _sampling(max_tokens, params))
+    done: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(done) < len(ids):
+        if time.monotonic() > deadline:
+            engine.abort_request(list(internal.values()), internal=True)
+            raise TimeoutError(f"requests not finished within {timeout} s")
+        for out in engine.step():
+            if out.finished and out.request_id in internal:
+                done[out.request_id] = out
+    return [{"request_id": internal[ext], "token_ids": list(done[ext].outputs[0].token_ids),
+             "kv_transfer_params": done[ext].kv_transfer_params,
+             "num_cached_tokens": done[ext].num_cached_tokens} for ext in ids]
+
+
+def submit_and_abort(
+    llm: Any,
+    prompt: list[int],
+    max_tokens: int,
+    kv_transfer_params: dict[str, Any] | None = None,
+    *,
+    when: str = "queued",
+    max_steps: int = 200,
+) -> dict[str, Any]:
+    """Add one request, step the engine until it reaches ``when``, then abort it.
+
+    ``when``: ``"queued"`` (before any step), ``"loading"`` (parked in
+    ``WAITING_FOR_REMOTE_KVS``: its async load is in flight), ``"prefilled"`` (its whole prompt
+    computed, still running). Returns ``request_id`` (internal), ``steps`` taken, the
+    ``status`` and ``computed`` tokens at the abort."""
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.request import RequestStatus
+
+    engine = llm.llm_engine
+    sched = _core(llm).scheduler
+    ext = f"abort-{time.monotonic_ns()}"
+    req_id = engine.add_request(ext, TokensPrompt(prompt_token_ids=list(prompt)),
+                                _sampling(max_tokens, kv_transfer_params))
+
+    def reached() -> bool:
+        req = sched.requests.get(req_id)
+        if req is None or req.is_finished():
+            raise RuntimeError(f"request {req_id} finished before reaching {when!r}")
+        if when == "queued":
+            return True
+        if when == "loading":
+            return req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        if when == "prefilled":
+            return req.num_computed_tokens >= req.num_prompt_tokens
+        raise ValueError(f"unknown stage {when!r}")
+
+    steps = 0
+    while not reached():
+        if steps >= max_steps:
+            raise RuntimeError(f"request {req_id} did not reach {when!r} in {steps} steps")
+        engine.step()
+        steps += 1
+    req = sched.requests[req_id]
+    state = {"request_id": req_id, "steps": steps, "status": req.status.name,
+             "computed": req.num_computed_tokens, "t": time.monotonic()}
+    engine.abort_request([req_id], internal=True)
+    return state
+
+
+def reset_prefix_cache(llm: Any) -> bool:
+    """Drop the engine's local prefix cache (not the connectors' stores)."""
+    return bool(llm.reset_prefix_cache())
+
+
+def kv_cache_tensors(llm: Any) -> list[Any]:
+    """The worker's KV cache tensors (one per attention layer; blocks on dim 0) of a
+    single-process engine."""
+    ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    tensors = []
+    for layer in ctx.values():
+        kv = getattr(layer, "kv_cache", None)
+        if kv is None:
+            continue
+        if isinstance(kv, list | tuple):
+            kv = kv[0]
+        if hasattr(kv, "shape") and kv.numel():
+            tensors.append(kv)
+    return tensors
+
+
+def corrupt_request_blocks(llm: Any, request_id: str, seed: int = 0) -> int:
+    """Overwrite the KV blocks a request holds with noise (a negative control: a reader of
+    these blocks gets garbage). Returns the number of blocks overwritten."""
+    import torch
+
+    sched = _core(llm).scheduler
+    block_ids = list(sched.kv_cache_manager.get_block_ids(request_id)[0])
+    if not block_ids:
+        return 0
+    gen = torch.Generator().manual_seed(seed)
+    index = torch.tensor(block_ids, dtype=torch.long)
+    for kv in kv_cache_tensors(llm):
+        noise = torch.randn(kv[index].shape, generator=gen, dtype=torch.float32) * 5
+        kv[index] = noise.to(kv.dtype)
+    return len(block_ids)

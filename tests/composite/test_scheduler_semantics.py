@@ -504,3 +504,26 @@ def test_no_second_lookup_after_an_async_load_completed(harness):
     assert a.lookups(req.request_id) == 1
     assert ext_allocs(a, req.request_id) == [48, 0]
     h.assert_clean()
+
+
+def test_a_child_whose_lookups_keep_failing_is_taken_out_of_lookups(harness):
+    from kvcompose.guard import MAX_LOOKUP_ERRORS
+
+    a = script("a", Behaviour(tokens=32, raise_in=frozenset({"get_num_new_matched_tokens"})))
+    script("b", Behaviour(tokens=16))
+    h = harness(kvcompose_config(chain("root", leaf("a"), leaf("b"))))
+    reqs = [h.add_request(prompt(40, seed), max_tokens=1) for seed in range(MAX_LOOKUP_ERRORS + 2)]
+    h.run_until_idle()
+    asked = sum(a.lookups(r.request_id) for r in reqs)
+    assert asked == MAX_LOOKUP_ERRORS, "after repeated errors, a is no longer asked"
+    assert all(a.finished[r.request_id] == 1 for r in reqs), "...but still hears every finish"
+    assert 0 in h.connector.guard.disabled
+    h.assert_clean()
+
+
+def test_on_error_fail_lets_the_error_through(harness):
+    script("a", Behaviour(tokens=32, raise_in=frozenset({"get_num_new_matched_tokens"})))
+    h = harness(kvcompose_config(chain("root", leaf("a", on_error="fail"))))
+    h.add_request(prompt(40))
+    with pytest.raises(RuntimeError, match="scripted failure"):
+        h.step()

@@ -1,0 +1,58 @@
+"""Load-failure fallback on a real engine: the owner's async load fails for a chosen request
+(PrefixStoreConnector's fault injection), vLLM (kv_load_failure_policy=recompute) looks the
+request up again, kvcompose skips the failed child and the next child serves it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcompose.introspect import node_stats, scheduler_connector
+from kvcompose.testing.engine import make_llm, sampling_params
+from kvcompose.testing.trees import chain, kvcompose_config
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+
+def store(name: str, path: Path, **extra: Any) -> dict[str, Any]:
+    return {"kind": "leaf", "name": name, "connector": "PrefixStoreConnector",
+            "module_path": "kvcompose.stores", "extra_config": {"path": str(path), **extra}}
+
+
+def run(llm: Any, requests: dict[str, list[int]], max_tokens: int = 6) -> dict[str, list[int]]:
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    for req_id, tokens in requests.items():
+        engine.add_request(req_id, TokensPrompt(prompt_token_ids=tokens),
+                           sampling_params(max_tokens))
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = list(o.outputs[0].token_ids)
+    return out
+
+
+def test_failed_owner_is_skipped_and_the_next_child_serves(tiny_model, tmp_path):
+    requests = {f"r{k}": [4 + (97 * k + 13 * i) % 1000 for i in range(150)] for k in range(2)}
+    kw = {"block_size": 32, "enable_prefix_caching": False}
+    with make_llm(tiny_model, None, **kw) as llm:
+        baseline = run(llm, requests)
+    a, b = tmp_path / "a", tmp_path / "b"
+    fill = kvcompose_config(chain("fill", store("a", a), store("b", b)))
+    with make_llm(tiny_model, fill, **kw) as llm:
+        run(llm, requests, 1)
+    tree = kvcompose_config(
+        chain("tiers", store("a", a, load_mode="async", fail_load_request_ids=["r0"]),
+              store("b", b), policy="first"),
+        kv_load_failure_policy="recompute")
+    with make_llm(tiny_model, tree, **kw) as llm:
+        assert run(llm, requests) == baseline
+        counters = node_stats(llm)["counters"]
+        # r1 from a; r0 first from a (fails), then from b
+        assert counters["hits.a"] == 2 and counters["hits.b"] == 1
+        assert counters["hit_tokens.b"] == 128
+        assert scheduler_connector(llm).live_requests() == {}
