@@ -13,8 +13,6 @@ crashes when a child sets its own ``engine_id``).
 from __future__ import annotations
 
 import copy
-import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,13 +20,11 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 
+from kvcompose.config.transfer import OWN_FIELDS, child_transfer_config, transfer_dict
 from kvcompose.spec import TREE_KEY, LeafSpec, NodeSpec, to_dict
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-#: Fields a child never inherits: they say *which* connector it is.
-_IDENTITY_FIELDS = ("kv_connector", "kv_connector_module_path", "kv_connector_extra_config")
 
 #: The class vLLM loads for a nested composite.
 NESTED_CONNECTOR = "KVCompose"
@@ -50,22 +46,14 @@ class Child:
     saves: bool
 
 
-def transfer_config_dict(config: KVTransferConfig) -> dict[str, Any]:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-
-
-def child_transfer_dict(parent: Mapping[str, Any], spec: NodeSpec, *, strict: bool,
+def child_transfer_dict(parent: Any, spec: NodeSpec, *, strict: bool,
                         hma: bool) -> dict[str, Any]:
-    """The ``KVTransferConfig`` fields for ``spec`` as a child of ``parent``."""
-    inherited = {k: v for k, v in parent.items() if k not in _IDENTITY_FIELDS}
+    """The ``KVTransferConfig`` fields for ``spec`` as a child of ``parent`` (a
+    ``KVTransferConfig`` or its dict): inherited fields, then the child's own."""
     if isinstance(spec, LeafSpec):
-        unknown = set(spec.transfer_config) & set(_IDENTITY_FIELDS)
-        if unknown:
-            raise ChildConfigError(f"node {spec.name!r}: set {sorted(unknown)} through the "
-                                   "leaf's connector/module_path/extra_config keys")
-        return {**inherited, **spec.transfer_config, "kv_connector": spec.connector,
-                "kv_connector_module_path": spec.module_path,
-                "kv_connector_extra_config": dict(spec.extra_config)}
+        return child_transfer_config(parent, spec)
+    inherited = {k: v for k, v in transfer_dict(parent).items()
+                 if k not in OWN_FIELDS and v is not None}
     return {**inherited,
             "kv_connector": NESTED_CONNECTOR_HMA if hma else NESTED_CONNECTOR,
             "kv_connector_module_path": NESTED_MODULE,
@@ -75,9 +63,9 @@ def child_transfer_dict(parent: Mapping[str, Any], spec: NodeSpec, *, strict: bo
 def child_vllm_config(vllm_config: VllmConfig, spec: NodeSpec, *, strict: bool,
                       hma: bool) -> VllmConfig:
     assert vllm_config.kv_transfer_config is not None
-    parent = transfer_config_dict(vllm_config.kv_transfer_config)
     try:
-        child_ktc = KVTransferConfig(**child_transfer_dict(parent, spec, strict=strict, hma=hma))
+        child_ktc = KVTransferConfig(**child_transfer_dict(
+            vllm_config.kv_transfer_config, spec, strict=strict, hma=hma))
     except (TypeError, ValueError) as exc:
         raise ChildConfigError(f"node {spec.name!r}: invalid KVTransferConfig: {exc}") from exc
     config = copy.copy(vllm_config)

@@ -627,14 +627,13 @@ class CompositeConnector(KVConnectorBase_V1):
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         tree = cls.tree_from_config(kv_transfer_config.kv_connector_extra_config)
-        parent = {f.name: getattr(kv_transfer_config, f.name)
-                  for f in dataclasses.fields(kv_transfer_config) if f.init}
         from vllm.config import KVTransferConfig
 
         from kvcompose.children import child_transfer_dict
 
         for child in tree.children:
-            ktc = KVTransferConfig(**child_transfer_dict(parent, child, strict=False, hma=False))
+            ktc = KVTransferConfig(**child_transfer_dict(kv_transfer_config, child, strict=False,
+                                                         hma=False))
             child_cls = _leaf_class(child) if isinstance(child, specs.LeafSpec) else cls
             check = getattr(child_cls, "supports_sleep_mode", None)
             if check is not None and not check(ktc):
