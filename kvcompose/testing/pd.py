@@ -438,7 +438,8 @@ def nixl_live(llm: Any) -> dict[str, Any]:
     for side, tree in (("scheduler", scheduler_connectors(llm)),
                        ("worker", worker_connectors(llm))):
         for path, conn in tree.items():
-            if type(conn).__name__ != "NixlConnector":
+            # NixlConnector (vLLM builds NixlPullConnector/NixlPushConnector) by shape
+            if not (hasattr(conn, "connector_scheduler") and hasattr(conn, "connector_worker")):
                 continue
             half = getattr(conn, f"connector_{side}", None)
             names = NIXL_SCHEDULER_TABLES if side == "scheduler" else NIXL_WORKER_TABLES
@@ -588,6 +589,45 @@ def take_trace(llm: Any, clear: bool = True) -> dict[str, Any]:
         trace["events"].clear()
         trace["step_times"].clear()
     return out
+
+
+_DROPPED: dict[tuple[str, str], Any] = {}
+
+
+def drop_calls(llm: Any, node: str, method: str, *, zero_only: bool = False,
+               enable: bool = True) -> None:
+    """Fault injection: the scheduler-side connector at ``node`` (a path of
+    ``scheduler_connectors``) stops receiving ``method`` calls, as if its parent stopped
+    talking to it. ``zero_only`` (for ``update_state_after_alloc``) drops only the calls
+    with 0 external tokens: the upstream bug where a composite does not tell a child that
+    another child owns the load. Dropped calls are recorded as ``dropped`` trace events.
+    ``enable=False`` restores the method."""
+    conn = scheduler_connectors(llm)[node]
+    key = (node, method)
+    if not enable:
+        if key in _DROPPED:
+            setattr(conn, method, _DROPPED.pop(key))
+        return
+    if key in _DROPPED:
+        return
+    original = getattr(conn, method)
+    _DROPPED[key] = original
+    trace = _TRACE.get("trace")
+
+    def dropped(*args: Any, **kwargs: Any) -> Any:
+        if zero_only and not (len(args) >= 3 and args[2] == 0):
+            return original(*args, **kwargs)
+        if trace is not None:
+            request = args[0] if args else None
+            trace["events"].append({"kind": "dropped", "t": time.monotonic(), "node": node,
+                                    "method": method,
+                                    "req": getattr(request, "request_id", None),
+                                    "step": trace["steps"]})
+        if method == "request_finished":
+            return False, None
+        return None
+
+    setattr(conn, method, dropped)
 
 
 def _sampling(max_tokens: int, params: dict[str, Any] | None) -> Any:
