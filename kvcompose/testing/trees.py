@@ -37,3 +37,10 @@ def chain(name: str, *children: dict[str, Any], policy: str = "first",
 def prompt(n: int, seed: int = 0, vocab: int = 1000) -> list[int]:
     """A deterministic prompt of ``n`` token ids; different seeds share no prefix."""
     return [(seed * 7919 + i * 31 + seed) % (vocab - 4) + 4 for i in range(n)]
+
+
+def predicate_reading_params(request: Any) -> bool:
+    """A route predicate (``kvcompose.testing.trees:predicate_reading_params``) that trusts
+    the request's ``kv_transfer_params`` to hold an int ``"priority"``: it raises on requests
+    without one, as careless user predicates do."""
+    return int(request.kv_transfer_params["priority"]) > 5

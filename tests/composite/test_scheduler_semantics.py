@@ -527,3 +527,23 @@ def test_on_error_fail_lets_the_error_through(harness):
     h.add_request(prompt(40))
     with pytest.raises(RuntimeError, match="scripted failure"):
         h.step()
+
+
+def test_route_rules_that_cannot_be_evaluated_fall_back_to_the_default(harness):
+    script("a", Behaviour(tokens=32))
+    b = script("b", Behaviour(tokens=64))
+    tree = {"kind": "route", "name": "root", "default": "a",
+            "rules": [{"child": "b",
+                       "predicate": "kvcompose.testing.trees:predicate_reading_params"}],
+            "children": [leaf("a"), leaf("b")]}
+    h = harness(kvcompose_config(tree))
+    high = h.add_request(prompt(80, 1), kv_transfer_params={"priority": 9})
+    missing = h.add_request(prompt(80, 2), kv_transfer_params={"other": 1})
+    garbage = h.add_request(prompt(80, 3), kv_transfer_params={"priority": "high"})
+    h.step()
+    assert owner_of(h, high.request_id)["owner"] == "b"
+    for req in (missing, garbage):
+        assert owner_of(h, req.request_id)["owner"] == "a"
+        assert b.lookups(req.request_id) == 0
+    h.run_until_idle()
+    h.assert_clean()
