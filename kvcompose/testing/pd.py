@@ -410,6 +410,12 @@ def worker_connectors(llm: Any) -> dict[str, Any]:
     return dict(_walk(root))
 
 
+def connector_paths(llm: Any, side: str = "scheduler") -> dict[str, str]:
+    """Path → class name of every connector in the tree (``side``: scheduler or worker)."""
+    tree = scheduler_connectors(llm) if side == "scheduler" else worker_connectors(llm)
+    return {path: type(conn).__name__ for path, conn in tree.items()}
+
+
 #: Per-request tables of NIXL's scheduler and worker halves that must be empty once nothing
 #: is in flight (P: blocks waiting for D's read; D: reads and notifications not done).
 NIXL_SCHEDULER_TABLES = ("_reqs_need_recv", "_reqs_need_save", "_reqs_need_send",
