@@ -58,10 +58,6 @@ logger = logging.getLogger("kvcompose")
 T = TypeVar("T")
 
 
-class ParamsClash(ValueError):
-    """Two children returned the same ``kv_transfer_params`` key for one request."""
-
-
 class CompositeConnector(KVConnectorBase_V1):
     """A chain, fan-out or route node. Subclasses only choose how the tree is read
     (``tree_from_config``) and whether the class supports HMA."""
@@ -98,7 +94,6 @@ class CompositeConnector(KVConnectorBase_V1):
             for child in self.spec.children]
         # vLLM's SimpleCPUOffload discovery duck-types on ``_connectors``.
         self._connectors = [c.connector for c in self.children]
-        self._savers = [c.connector for c in self.children if c.saves]
         self.policy = policy_for(self.spec)
         self.counters = NodeCounters([c.name for c in self.children])
         self.guard = Guard(self.name, [c.name for c in self.children], strict=self.strict,
@@ -116,10 +111,7 @@ class CompositeConnector(KVConnectorBase_V1):
         self._recv_after_finish: dict[str, int] = {}  # aborted loads, until finished_recving
         # worker side
         self.signals = WorkerSignals(self.guard)
-        self._check_finished_counts(vllm_config)
-
-    def _check_finished_counts(self, vllm_config: VllmConfig) -> None:
-        if self.role is KVConnectorRole.SCHEDULER:
+        if role is KVConnectorRole.SCHEDULER:
             self.get_finished_count()  # refuse to start on a conflict
 
     # ------------------------------------------------------------ introspection
