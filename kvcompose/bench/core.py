@@ -608,9 +608,10 @@ def _merge_hits(hits: list[dict[str, Any]]) -> dict[str, Any]:
     if len(hits) == 1:
         return hits[0]
     merged: dict[str, Any] = {"stores": {}, "nodes": {}, "cached_tokens": 0, "tokens_loaded": 0,
-                              "bytes_written": 0}
+                              "bytes_written": 0, "requests_with_cached_tokens": 0}
     for h in hits:
-        for k in ("cached_tokens", "tokens_loaded", "bytes_written"):
+        for k in ("cached_tokens", "tokens_loaded", "bytes_written",
+                  "requests_with_cached_tokens"):
             merged[k] += h[k]
         for name, s in h["stores"].items():
             dst = merged["stores"].setdefault(name, {k: 0 for k in s})

@@ -120,8 +120,10 @@ def hit_summary(result: dict[str, Any]) -> dict[str, Any]:
                        "children": children,
                        "other_counters": {k: v for k, v in c.items()
                                           if k != "lookups" and not k.startswith("hit")}}
-    cached = sum(int(r.get("num_cached_tokens", 0)) for r in result.get("requests", []))
+    reqs = result.get("requests", [])
+    cached = sum(int(r.get("num_cached_tokens", 0)) for r in reqs)
     return {"stores": stores, "nodes": nodes, "cached_tokens": cached,
+            "requests_with_cached_tokens": sum(1 for r in reqs if r.get("num_cached_tokens")),
             "tokens_loaded": sum(s["tokens_loaded"] for s in stores.values()),
             "bytes_written": sum(s["bytes_written"] for s in stores.values())}
 

@@ -134,8 +134,13 @@ def _ttft_plot(ax: Any, chains: list[dict[str, Any]]) -> None:
         ax.text(0.5, 0.5, "no finished requests", ha="center", transform=ax.transAxes)
         return
     positions = list(range(1, len(chains) + 1))
-    ax.boxplot([d or [0.0] for d in data], positions=positions, vert=False, widths=0.55,
-               showfliers=False, medianprops={"color": "black"})
+    import inspect
+
+    horizontal = ({"orientation": "horizontal"}
+                  if "orientation" in inspect.signature(ax.boxplot).parameters
+                  else {"vert": False})  # matplotlib < 3.10
+    ax.boxplot([d or [0.0] for d in data], positions=positions, widths=0.55,
+               showfliers=False, medianprops={"color": "black"}, **horizontal)
     rng = random.Random(0)
     for pos, d in zip(positions, data, strict=True):
         ax.scatter(d, [pos + rng.uniform(-0.18, 0.18) for _ in d], s=10, alpha=0.55,
