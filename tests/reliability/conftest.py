@@ -30,7 +30,6 @@ settings.register_profile("ci", max_examples=100, stateful_step_count=50, **_COM
 #: Per tree shape: 5 x 2,000 = 10,000 sequences.
 settings.register_profile("long", max_examples=2000, stateful_step_count=60, **_COMMON)
 
-PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 
 
 @pytest.fixture(autouse=True)

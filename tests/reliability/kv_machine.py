@@ -245,7 +245,8 @@ class KVComposeMachine(RuleBasedStateMachine):
 
     1. vLLM's scheduler never asserts or raises (any exception fails the example);
     2. every child hears ``request_finished`` exactly once per request, once it is finished,
-       and never before;
+       and never before; a request that finishes in a step returns every child's
+       ``kv_transfer_params``, merged;
     3. a ``finished_recving`` reaches the scheduler only for a request with an async load in
        flight, at most once per load, in the step its owner (the leaf that was allocated the
        external tokens) reported it; ``failed_recving`` only with it and (contract-obeying
@@ -496,6 +497,16 @@ class KVComposeMachine(RuleBasedStateMachine):
             missing = delayers - self.sent[rid]
             check(not missing, f"{rid}: finished_sending before {sorted(missing)} reported")
             self.root_sent[rid] += 1
+        # (2b) the client gets every child's kv_transfer_params, merged
+        for rid, info in result.finished.items():
+            if "error" in str(info.finish_reason).lower():
+                continue  # vLLM reports load-failure errors without params
+            expected: dict[str, Any] = {}
+            for b in self.behaviour[rid].values():
+                if b.params and "request_finished" not in b.raise_in:
+                    expected.update(b.params)
+            check((info.kv_transfer_params or {}) == expected,
+                  f"{rid}: kv_transfer_params {info.kv_transfer_params} != merged {expected}")
         self.check_requests()
         self.check_tables()
 

@@ -178,3 +178,25 @@ def test_partial_invalid_block_failure_recomputes_locally(make):
     assert b.lookups(req.request_id) == 1
     assert h.finished[req.request_id].finish_reason is not None
     h.assert_clean()
+
+
+# ------------------------------------------------------------------- the test double
+def test_scripted_load_blocks_start_after_the_local_hit(make):
+    """Found while building the machine: ScriptedConnector placed a load at the request's
+    first block, so an "invalid" load behind a local prefix hit reported a *cached, shared*
+    block as bad. A load now starts after the local hit the lookup was shown."""
+    base = prompt(96, seed=5)
+    b = script("rel.b", Behaviour())
+    h = make(chain("root", leaf("b", "rel.b")), kv_load_failure_policy="recompute")
+    h.add_request(base[:40], max_tokens=1, request_id="warm")  # caches 2 full blocks
+    h.run_until_idle(max_steps=20)
+    b.per_request["hit"] = Behaviour(tokens=80, load="invalid")
+    h.add_request(base, max_tokens=1, request_id="hit")
+    h.step()
+    looked_up_at = [c[2] for c in b.calls if c[0] == "lookup" and c[1] == "hit"]
+    assert looked_up_at == [2 * BLOCK]
+    (_, blocks), = b.allocations("hit")
+    bad = [c[1] for c in b.calls if c[0] == "invalid_report"]
+    assert bad == [(blocks[2],)], "the first loaded block, after the two cached ones"
+    h.run_until_idle(max_steps=20)
+    h.assert_clean()
