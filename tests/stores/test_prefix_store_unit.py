@@ -123,6 +123,7 @@ def test_stats_aggregate_reduce_roundtrip():
     assert PrefixStoreConnector.build_kv_connector_stats(None).is_empty()
 
 
+@pytest.mark.engine  # needs the CPU build's attention kernels (absent from the official wheel)
 def test_cpu_block_layout_matches_the_cpu_kernel():
     """Decode tiles written by the CPU backend's real KV write op (K transposed, then V)."""
     pytest.importorskip("vllm._custom_ops")
