@@ -14,8 +14,10 @@ All N requests arrive at once: one admission step looks up and allocates every r
 steps (``build_connector_meta``, ``update_connector_output`` each step), and the last step
 finishes every request (``request_finished`` on every child). Times are wall-clock around
 ``add_request`` and ``SchedulerHarness.step`` with the garbage collector paused; each
-configuration runs ``repeats`` times, interleaved, and the best run is kept (interference from
-other processes only adds time).
+round runs every configuration over the same N requests, interleaved engine step by engine step
+(the order rotating), so that interference from other processes falls on all of them alike;
+there are ``repeats`` rounds. Times per configuration are the best round (interference only
+adds time); ratios are the median over rounds of ratios taken within a round.
 
 Two measures: ``in_connector``, the wall time spent inside the scheduler's calls into its
 connector (every public method of the root connector is wrapped with a timer; the wrapper
@@ -43,7 +45,7 @@ class OverheadOptions:
     requests: list[int] = field(default_factory=lambda: [1000, 4000])
     children: list[int] = field(default_factory=lambda: [2, 4])
     steps: int = 12  # decode steps (the run has steps + 2 engine steps in all)
-    repeats: int = 3
+    repeats: int = 5
     prompt_len: int = 32
     block_size: int = 16
     model_dir: str | None = None  # default: the tiny test model (only its config is read)
@@ -63,57 +65,87 @@ def configurations(children: list[int]) -> dict[str, dict[str, Any] | None]:
     return out
 
 
-def _one_run(model_dir: Path, ktc: dict[str, Any] | None, n: int, opts: OverheadOptions
-             ) -> dict[str, float]:
+def _make_harness(model_dir: Path, ktc: dict[str, Any] | None, n: int,
+                  opts: OverheadOptions) -> Any:
     from kvcompose.testing.harness import SchedulerHarness
 
     max_tokens = opts.steps + 2
     per_req_blocks = -(-(opts.prompt_len + max_tokens) // opts.block_size) + 1
-    h = SchedulerHarness(model_dir, ktc, block_size=opts.block_size,
-                         num_blocks=n * per_req_blocks + 64, max_num_seqs=n,
-                         max_num_batched_tokens=n * opts.prompt_len,
-                         max_model_len=opts.prompt_len + max_tokens + opts.block_size)
-    timer = _CallTimer(h.scheduler.connector) if h.scheduler.connector is not None else None
+    return SchedulerHarness(model_dir, ktc, block_size=opts.block_size,
+                            num_blocks=n * per_req_blocks + 64, max_num_seqs=n,
+                            max_num_batched_tokens=n * opts.prompt_len,
+                            max_model_len=opts.prompt_len + max_tokens + opts.block_size)
+
+
+def _one_round(model_dir: Path, configs: dict[str, dict[str, Any] | None], n: int,
+               opts: OverheadOptions) -> dict[str, dict[str, float]]:
+    """Run the same N requests through every configuration, interleaved step by step (each
+    engine step of each configuration in turn, the order rotating), so that interference
+    from other processes falls on all configurations alike."""
+    max_tokens = opts.steps + 2
+    names = list(configs)
+    harnesses = {name: _make_harness(model_dir, ktc, n, opts) for name, ktc in configs.items()}
+    timers = {name: (_CallTimer(h.scheduler.connector) if h.scheduler.connector is not None
+                     else None) for name, h in harnesses.items()}
     try:
-        prompts = [h.make_prompt(opts.prompt_len, seed=i) for i in range(n)]
+        prompts = [harnesses[names[0]].make_prompt(opts.prompt_len, seed=i) for i in range(n)]
+        add_s: dict[str, float] = {}
+        steps: dict[str, list[float]] = {name: [] for name in names}
+        admitted: dict[str, int] = {}
+        finished = dict.fromkeys(names, 0)
+        finish_step: dict[str, int] = {}
         gc.collect()
         gc.disable()
         try:
-            t = time.perf_counter()
-            for i, p in enumerate(prompts):
-                h.add_request(p, max_tokens=max_tokens, request_id=f"r{i}")
-            add_s = time.perf_counter() - t
-            steps: list[float] = []
-            finish_step = None
-            admitted = 0
-            finished = 0
-            while h.has_work():
+            for name in names:
+                h = harnesses[name]
                 t = time.perf_counter()
-                res = h.step()
-                steps.append(time.perf_counter() - t)
-                if len(steps) == 1:
-                    admitted = len(res.scheduled)
-                finished += len(res.finished)
-                if res.finished and finish_step is None:
-                    finish_step = len(steps) - 1
-                if len(steps) > max_tokens + 5:
-                    raise RuntimeError("overhead run did not finish")
+                for i, p in enumerate(prompts):
+                    h.add_request(p, max_tokens=max_tokens, request_id=f"r{i}")
+                add_s[name] = time.perf_counter() - t
+            active = list(names)
+            rotation = 0
+            while active:
+                k = rotation % len(active)
+                rotation += 1
+                for name in active[k:] + active[:k]:
+                    h = harnesses[name]
+                    if not h.has_work():
+                        continue
+                    t = time.perf_counter()
+                    res = h.step()
+                    steps[name].append(time.perf_counter() - t)
+                    if len(steps[name]) == 1:
+                        admitted[name] = len(res.scheduled)
+                    finished[name] += len(res.finished)
+                    if res.finished and name not in finish_step:
+                        finish_step[name] = len(steps[name]) - 1
+                    if len(steps[name]) > max_tokens + 5:
+                        raise RuntimeError(f"overhead run of {name} did not finish")
+                active = [name for name in active if harnesses[name].has_work()]
         finally:
             gc.enable()
-        if admitted != n:
-            raise RuntimeError(f"only {admitted} of {n} requests admitted in the first step")
-        if finished != n or finish_step is None:
-            raise RuntimeError(f"{finished} of {n} requests finished")
-        return {"add_s": add_s, "admit_s": steps[0],
-                "decode_s": statistics.fmean(steps[1:finish_step]),
-                "finish_s": sum(steps[finish_step:]),
-                "total_s": add_s + sum(steps), "steps": float(len(steps)),
+        out: dict[str, dict[str, float]] = {}
+        for name in names:
+            if admitted.get(name) != n:
+                raise RuntimeError(f"{name}: only {admitted.get(name)} of {n} requests admitted "
+                                   "in the first step")
+            if finished[name] != n or name not in finish_step:
+                raise RuntimeError(f"{name}: {finished[name]} of {n} requests finished")
+            st, fs, timer = steps[name], finish_step[name], timers[name]
+            out[name] = {
+                "add_s": add_s[name], "admit_s": st[0],
+                "decode_s": statistics.fmean(st[1:fs]) if fs > 1 else 0.0,
+                "finish_s": sum(st[fs:]), "total_s": add_s[name] + sum(st),
+                "steps": float(len(st)),
                 "in_connector_s": timer.total if timer else 0.0,
                 "connector_calls": float(timer.calls if timer else 0),
                 **{f"method.{k}": v[0] for k, v in (timer.by_method if timer else {}).items()
                    if v[1]}}
+        return out
     finally:
-        h.close()
+        for h in harnesses.values():
+            h.close()
 
 
 class _CallTimer:
@@ -171,13 +203,14 @@ def run_overhead(opts: OverheadOptions, progress: Any = None) -> dict[str, Any]:
     raw: dict[int, dict[str, list[dict[str, float]]]] = {}
     for n in opts.requests:
         raw[n] = {name: [] for name in configs}
-        _one_run(model_dir, None, min(n, 64), opts)  # warm imports and caches
+        _one_round(model_dir, {"none": None, "direct": configs["direct"]}, min(n, 64), opts)
         for rep in range(opts.repeats):
-            for name, ktc in configs.items():
-                raw[n][name].append(_one_run(model_dir, ktc, n, opts))
-                if progress is not None:
-                    progress.print(f"overhead: N={n} repeat {rep + 1}/{opts.repeats} {name}: "
-                                   f"{raw[n][name][-1]['total_s'] * 1000:.1f} ms")
+            measured = _one_round(model_dir, configs, n, opts)
+            for name, m in measured.items():
+                raw[n][name].append(m)
+            if progress is not None:
+                progress.print(f"overhead: N={n} round {rep + 1}/{opts.repeats}: " + ", ".join(
+                    f"{name} {m['total_s'] * 1000:.0f} ms" for name, m in measured.items()))
     results: dict[str, Any] = {
         "meta": {"options": asdict(opts), "model": str(model_dir), "vllm": _version("vllm"),
                  "python": platform.python_version(), "cpus": os.cpu_count(),
@@ -215,18 +248,28 @@ def run_overhead(opts: OverheadOptions, progress: Any = None) -> dict[str, Any]:
             }
         ratios: dict[str, Any] = {}
         key = "in_connector_us_per_request_step"
-        direct = rows["direct"][key]
+
+        def paired(a: str, b: str, field: str = "in_connector_s",
+                   per_config: dict[str, list[dict[str, float]]] = per_config) -> float | None:
+            """Median over rounds of a/b, each round's two numbers measured side by side."""
+            vals = []
+            for ra, rb, rn in zip(per_config[a], per_config[b], per_config["none"],
+                                  strict=True):
+                x, y = ra[field], rb[field]
+                if field == "total_s":  # added time over no connector, same round
+                    x, y = x - rn[field], y - rn[field]
+                if y > 0:
+                    vals.append(x / y)
+            return round(statistics.median(vals), 3) if vals else None
+
         for k in opts.children:
-            kv = rows[f"kvcompose-{k}"][key]
-            mc = rows[f"multiconnector-{k}"][key]
-            kv_e2e = rows[f"kvcompose-{k}"]["added_us_per_request_step"]
-            mc_e2e = rows[f"multiconnector-{k}"]["added_us_per_request_step"]
+            kvn, mcn = f"kvcompose-{k}", f"multiconnector-{k}"
             ratios[f"{k}_children"] = {
-                "kvcompose_over_multiconnector": _ratio(kv, mc),
-                "kvcompose_over_direct": _ratio(kv, direct),
-                "multiconnector_over_direct": _ratio(mc, direct),
-                "kvcompose_no_slower_than_multiconnector": kv <= mc,
-                "end_to_end_kvcompose_over_multiconnector": _ratio(kv_e2e, mc_e2e),
+                "kvcompose_over_multiconnector": paired(kvn, mcn),
+                "kvcompose_over_direct": paired(kvn, "direct"),
+                "multiconnector_over_direct": paired(mcn, "direct"),
+                "kvcompose_no_slower_than_multiconnector": rows[kvn][key] <= rows[mcn][key],
+                "end_to_end_added_kvcompose_over_multiconnector": paired(kvn, mcn, "total_s"),
             }
         results["by_requests"][str(n)] = {"steps": int(steps), "configs": rows,
                                           "ratios": ratios}

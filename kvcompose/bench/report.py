@@ -203,29 +203,30 @@ def tables(results: dict[str, Any]) -> list[Any]:
 
     wl = results.get("meta", {}).get("workload", {})
     main = Table(title=f"kvcompose bench — {wl.get('name')} workload, "
-                       f"{wl.get('requests')} requests", title_justify="left")
-    for col, just in (("chain", "left"), ("status", "left"), ("TTFT p50 ms", "right"),
-                      ("p90", "right"), ("p99", "right"), ("TPOT p50 ms", "right"),
-                      ("E2E p50 ms", "right"), ("req/s", "right"), ("tok/s", "right"),
-                      ("hit tokens", "right"), ("written MB", "right"),
-                      ("agree %", "right"), ("TTFT p50 vs recompute", "right")):
-        main.add_column(col, justify=just)  # type: ignore[arg-type]
+                       f"{wl.get('requests')} requests (times in ms; speedup: TTFT p50 vs "
+                       "recompute)", title_justify="left")
+    main.add_column("chain", no_wrap=True)
+    for col in ("TTFT p50", "p90", "p99", "TPOT p50", "E2E p50", "req/s", "tok/s",
+                "hit tok", "MB saved", "agree %", "speedup"):
+        main.add_column(col, justify="right", min_width=7 if col == "speedup" else None)
     stores_table = Table(title="per node (replay only; counters from the stores and from "
                                "kvcompose's per-node stats)", title_justify="left")
     for col in ("chain", "node", "lookups", "hits", "hit tokens", "tokens loaded",
                 "MB written"):
-        stores_table.add_column(col, justify="left" if col in ("chain", "node") else "right")
+        stores_table.add_column(col, justify="left" if col in ("chain", "node") else "right",
+                                no_wrap=col == "chain")
     for c in results.get("chains", []):
         if c.get("status") == "failed":
-            main.add_row(c["label"], "[red]failed[/red]", *["-"] * 11)
+            main.add_row(f"{c['label']} [red](failed)[/red]", *["-"] * 11)
             continue
         lat, thr, hits = c.get("latency", {}), c.get("throughput", {}), c.get("hits", {})
         agree = (c.get("agreement") or {}).get("percent")
         agree_txt = "-" if agree is None else (f"{agree:.0f}" if agree == 100 else
                                                f"[red]{agree:.1f}[/red]")
         speed = c.get("ttft_p50_speedup")
+        label = c["label"] if c.get("status") == "ok" else f"{c['label']} ({c.get('status')})"
         main.add_row(
-            c["label"], c.get("status", ""), _ms(lat.get("ttft_p50_s")),
+            label, _ms(lat.get("ttft_p50_s")),
             _ms(lat.get("ttft_p90_s")), _ms(lat.get("ttft_p99_s")), _ms(lat.get("tpot_p50_s")),
             _ms(lat.get("e2e_p50_s")), _num(thr.get("requests_per_s")),
             _num(thr.get("total_tokens_per_s"), "{:,.0f}"),

@@ -124,11 +124,11 @@ class ChatParams:
     users: int = 12
     new_users: int = 3  # of ``users``: no history before the run
     rounds: int = 2  # measured rounds per user
-    prior_rounds: int = 4  # rounds each returning user had before the run
+    prior_rounds: int = 8  # rounds each returning user had before the run
     system_prompts: int = 2
     system_len: int = 512
     user_len: int = 64  # tokens a user adds per round
-    answer_len: int = 192  # tokens of the (recorded) assistant answer per round
+    answer_len: int = 64  # tokens of the (recorded) assistant answer per round
     max_tokens: int = 16
     interval_s: float = 1.5  # mean gap between request arrivals
 

@@ -152,7 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="no-op children per composite (default 2,4)")
     g.add_argument("--overhead-steps", type=int, default=12,
                    help="measured scheduler steps per configuration and repeat")
-    g.add_argument("--overhead-repeats", type=int, default=3)
+    g.add_argument("--overhead-repeats", type=int, default=5,
+                   help="rounds (each runs every configuration, interleaved; default 5)")
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
