@@ -331,49 +331,58 @@ def reference(model: Path | str, prompts: list[list[int]], max_tokens: int = D_T
 
 
 def run_all(p: EngineProcess, d: EngineProcess, ref: dict[int, list[int]], *, stats: bool,
-            label: str) -> list[tuple[str, Handoff | dict[str, Any]]]:
+            label: str) -> list[tuple[str, dict[str, Any]]]:
     """Every scenario on one P/D pair, in order; returns (name, measurement) rows."""
-    rows: list[tuple[str, Handoff | dict[str, Any]]] = []
+    rows: list[tuple[str, dict[str, Any]]] = []
 
-    def record(name: str, h: Handoff, seed: int) -> Handoff:
-        ok = h.d_tokens == ref[seed]
-        print(f"[{label}] {name}: output {'==' if ok else '!='} reference; {h.row()}",
-              flush=True)
-        rows.append((name, h))
-        return h
+    def record(name: str, row: dict[str, Any]) -> None:
+        print(f"[{label}] {name}: {row}", flush=True)
+        rows.append((name, row))
 
-    record("1 cold D", handoff(p, d, prompt(11), stats=stats), 11)
+    def measured(name: str, h: Handoff, seed: int) -> None:
+        record(name, {"output_matches": h.d_tokens == ref[seed], **h.row()})
+
+    handoff(p, d, prompt(10), stats=stats)  # the NIXL handshake, out of the measurements
+    measured("1 cold D", handoff(p, d, prompt(11), stats=stats), 11)
     seed_disk(d, prompt(12))
-    record("2 disk owns", handoff(p, d, prompt(12), stats=stats), 12)
+    measured("2 disk holds 192", handoff(p, d, prompt(12), stats=stats), 12)
     seed_disk(d, prompt(13)[:70])
-    record("3 disk 64 < nixl", handoff(p, d, prompt(13), stats=stats), 13)
+    measured("3 disk holds 64", handoff(p, d, prompt(13), stats=stats), 13)
     seed_disk(d, prompt(14))
-    record("3 disk 192 < nixl", handoff(p, d, prompt(14), stats=stats), 14)
+    measured("3 disk holds 192", handoff(p, d, prompt(14), stats=stats), 14)
     handoff(p, d, prompt(15), stats=stats)
-    record("4 full local hit", handoff(p, d, prompt(15), stats=stats), 15)
+    measured("4 full local hit", handoff(p, d, prompt(15), stats=stats), 15)
+
     (p_out,) = p.call(pd.run_requests, [prompt(16)], 1, {"do_remote_decode": True})
     state = d.call(pd.submit_and_abort, prompt(16), D_TOKENS, p_out["kv_transfer_params"],
                    when="loading")
-    p.wait_until(p_request_freed(p_out["request_id"]), 30)
-    rows.append(("5 abort D loading", {**state, "p_clean": is_clean(clean(p)),
-                                       "d_clean": is_clean(clean(d))}))
-    print(f"[{label}] 5 abort D loading: {rows[-1][1]}", flush=True)
+    record("5 abort on D while loading", _after_abort(p, d, p_out["request_id"], state))
     state = p.call(pd.submit_and_abort, prompt(17), 4, {"do_remote_decode": True},
                    when="prefilled")
-    rows.append(("5 abort P prefilled", {**state, "p_clean": is_clean(clean(p))}))
-    print(f"[{label}] 5 abort P prefilled: {rows[-1][1]}", flush=True)
+    record("5 abort on P after prefill", _after_abort(p, d, state["request_id"], state))
     (p_out,) = p.call(pd.run_requests, [prompt(18)], 1, {"do_remote_decode": True})
     state = d.call(pd.submit_and_abort, prompt(18), D_TOKENS, p_out["kv_transfer_params"],
                    when="queued")
-    t0 = time.monotonic()
-    freed = p.wait_until(p_request_freed(p_out["request_id"]), 30)
-    rows.append(("5 D aborts before scheduling",
-                 {**state, "p_freed_after_s": None if freed is None else freed["t"] - t0}))
-    print(f"[{label}] 5 D aborts before scheduling: {rows[-1][1]}", flush=True)
-    p.call(pd.take_trace)
-    d.call(pd.take_trace)
-    assert_clean(p, d)
+    record("5 D aborts before scheduling", _after_abort(p, d, p_out["request_id"], state))
     return rows
+
+
+def _after_abort(p: EngineProcess, d: EngineProcess, p_req: str, state: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """After an abort: how long P kept the request's blocks (from the abort), whether D
+    kept the aborted request's blocks until its load finished, both engines clean."""
+    p.wait_until(p_request_freed(p_req), 30)
+    p_clean, d_clean = is_clean(clean(p)), is_clean(clean(d))
+    p_events, d_events = p.call(pd.take_trace)["events"], d.call(pd.take_trace)["events"]
+    p_free = next((e["t"] for e in p_events if e["kind"] == "free" and e["req"] == p_req), None)
+    d_free = next((e["t"] for e in d_events
+                   if e["kind"] == "free" and e["req"] == state["request_id"]), None)
+    return {"aborted_in": state["status"], "steps_before_abort": state["steps"],
+            "p_hold_after_abort_ms": None if p_free is None
+            else round((p_free - state["t"]) * 1000, 1),
+            "d_free_after_abort_ms": None if d_free is None
+            else round((d_free - state["t"]) * 1000, 1),
+            "p_clean": p_clean, "d_clean": d_clean}
 
 
 def observe_seed_bug(p: EngineProcess, d: EngineProcess, seconds: float) -> dict[str, Any]:

@@ -216,8 +216,9 @@ def test_abort_on_decode_while_the_load_is_in_flight(prefill, decode):
     assert state["status"] == "WAITING_FOR_REMOTE_KVS"
     assert prefill.wait_until(p_request_freed(p_out["request_id"]), FREE_WITHIN_S)
     assert_clean(prefill, decode)
-    # D kept the request's blocks until NIXL's read finished (vLLM delays the free of an
-    # aborted load); the receive reached the scheduler through the composite.
+    # D freed the aborted request's blocks: at once if NIXL's read had already reported,
+    # else when it did (vLLM delays the free of a load in flight; the receive reaches the
+    # scheduler through the composite after request_finished). P was notified by that read.
     d_free = _free_time(decode, state["request_id"])
     p_free = _free_time(prefill, p_out["request_id"])
     assert d_free is not None and d_free > state["t"]
