@@ -109,6 +109,8 @@ class CompositeConnector(KVConnectorBase_V1):
         self._partial_tails: dict[str, set[int]] = {}
         self._send_children: dict[str, tuple[int, ...]] = {}  # until finished_sending
         self._recv_after_finish: dict[str, int] = {}  # aborted loads, until finished_recving
+        # finished while loading with a delaying child: "waiting" / "received" / "sent"
+        self._send_after_recv: dict[str, str] = {}
         # worker side
         self.signals = WorkerSignals(self.guard)
         if role is KVConnectorRole.SCHEDULER:
@@ -127,6 +129,8 @@ class CompositeConnector(KVConnectorBase_V1):
             tables["sends_pending"] = dict(self._send_children)
         if self._recv_after_finish:
             tables["aborted_loads_pending"] = dict(self._recv_after_finish)
+        if self._send_after_recv:
+            tables["send_after_recv"] = dict(self._send_after_recv)
         tables.update(self.signals.live())
         for child in self.children:
             live = getattr(child.connector, "live_requests", None)
@@ -269,11 +273,12 @@ class CompositeConnector(KVConnectorBase_V1):
                     raise  # the scheduler already counts these tokens: a load must happen
                 self.guard.child_error(i, "update_state_after_alloc", exc)
         if num_external_tokens > 0 and record is not None and owner is not None:
+            record.load_blocks = self._load_blocks(blocks, record.local_tokens,
+                                                   num_external_tokens)
             if record.state is LoadState.LOADING:
                 self._step_loads[req_id] = owner
             elif record.state is LoadState.LOADED:
-                self._step_sync_loads[req_id] = (owner, self._load_blocks(
-                    blocks, record.local_tokens, num_external_tokens))
+                self._step_sync_loads[req_id] = (owner, record.load_blocks)
 
     def _load_blocks(self, blocks: KVCacheBlocks, local_tokens: int, n: int
                      ) -> tuple[int, ...]:
@@ -313,6 +318,8 @@ class CompositeConnector(KVConnectorBase_V1):
         recv = connector_output.finished_recving or set()
         failed = connector_output.failed_recving or set()
         sent = connector_output.finished_sending or set()
+        if connector_output.invalid_block_ids:
+            self.ledger.exclude_owners_of_blocks(connector_output.invalid_block_ids)
         recv_by: dict[int, set[str]] = {}
         for req_id in recv | failed:
             owner = self.ledger.owner(req_id)
@@ -339,6 +346,33 @@ class CompositeConnector(KVConnectorBase_V1):
                                           else None),
                 kv_cache_events=(events.children[i] if isinstance(events, ComposedKVEvents)
                                  else None)))
+        if self._send_after_recv and (recv or sent):
+            self._one_terminal_signal(connector_output, recv, sent)
+
+    def _one_terminal_signal(self, connector_output: KVConnectorOutput, recv: set[str],
+                             sent: set[str]) -> None:
+        """A request that finished while its async load was in flight *and* had a child
+        delay its free would get two terminal signals: the owner's ``finished_recving`` and
+        the delayers' ``finished_sending``. vLLM frees the request on the first and asserts
+        on the second, and a send arriving first would free blocks still being loaded into.
+        So the receive is swallowed and the send held until both happened; vLLM then sees one
+        ``finished_sending``. This runs before the scheduler reads the sets (contract §1.3).
+        """
+        for req_id in recv & self._send_after_recv.keys():
+            connector_output.finished_recving.discard(req_id)  # type: ignore[union-attr]
+            connector_output.failed_recving.discard(req_id)
+            if self._send_after_recv[req_id] == "sent":
+                del self._send_after_recv[req_id]
+                connector_output.finished_sending = (connector_output.finished_sending
+                                                     or set()) | {req_id}
+            else:
+                self._send_after_recv[req_id] = "received"
+        for req_id in sent & self._send_after_recv.keys():
+            if self._send_after_recv[req_id] == "received":
+                del self._send_after_recv[req_id]
+            else:
+                self._send_after_recv[req_id] = "sent"
+                connector_output.finished_sending.discard(req_id)  # type: ignore[union-attr]
 
     def register_finished_partial_tail(self, request: Request, block_ids: tuple[list[int], ...],
                                        partial_tail_offloads: list[tuple[int, int, int]]) -> bool:
@@ -382,6 +416,8 @@ class CompositeConnector(KVConnectorBase_V1):
             raise first_error
         if delaying:
             self._step_sends[req_id] = self._send_children[req_id] = tuple(sorted(delaying))
+            if record is not None and record.state is LoadState.LOADING:
+                self._send_after_recv[req_id] = "waiting"
         return bool(delaying), merged
 
     def _merge_params(self, merged: dict[str, Any] | None, params: dict[str, Any],

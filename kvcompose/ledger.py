@@ -56,6 +56,7 @@ class LoadRecord:
     tokens: int = 0
     is_async: bool = False
     local_tokens: int = 0  # the local prefix hit the lookup was shown; the load starts there
+    load_blocks: tuple[int, ...] = ()  # the blocks the owner's load writes (group 0)
     reason: str = ""
     pending_since: float | None = None
     lookups: int = 0
@@ -99,6 +100,7 @@ class Ledger:
         elif record.state is not LoadState.PENDING:
             record.state, record.owner, record.tokens = LoadState.PENDING, None, 0
             record.is_async, record.reason, record.pending_since = False, "", None
+            record.load_blocks = ()
         record.lookups += 1
         return record
 
@@ -151,6 +153,13 @@ class Ledger:
                 record.excluded.add(record.owner)
         else:
             record.state = LoadState.LOADED
+
+    def exclude_owners_of_blocks(self, block_ids: set[int]) -> None:
+        """Loads with blocks reported invalid: their owners are skipped if vLLM looks the
+        request up again (it does after a total failure under ``recompute``)."""
+        for record in self._records.values():
+            if record.owner is not None and block_ids.intersection(record.load_blocks):
+                record.excluded.add(record.owner)
 
     def finished(self, req_id: str) -> LoadRecord | None:
         return self._records.pop(req_id, None)

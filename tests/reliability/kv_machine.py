@@ -55,17 +55,7 @@ FOREVER = 10**9
 #: Composite bugs found by this machine and not fixed yet (see the module docstring), each
 #: with a strict-xfail repro in test_regressions.py. ``KVCOMPOSE_RELIABILITY_STEER=0`` turns
 #: the steering off (to check a fix with the machine before removing the entry).
-KNOWN_BUGS: frozenset[str] = frozenset({
-    # A request that finishes while its async load is in flight (abort while loading, or a
-    # load failure under kv_load_failure_policy="fail") with a child that delays the free:
-    # the composite emits finished_recving *and* finished_sending; the second kills the
-    # scheduler. Repro: test_finish_while_loading_with_a_delaying_child_*.
-    "finish-while-loading-with-delay",
-    # An async load whose blocks are all invalid (block-level total failure) does not exclude
-    # its owner: under "recompute" the re-lookup asks the same child, which fails again,
-    # forever. Repro: test_total_invalid_block_failure_excludes_the_owner.
-    "invalid-blocks-do-not-exclude-the-owner",
-})
+KNOWN_BUGS: frozenset[str] = frozenset()
 
 #: Figures over every example run in this process (written out by conftest.py).
 STATS: Counter[str] = Counter()
@@ -465,6 +455,16 @@ class KVComposeMachine(RuleBasedStateMachine):
         sending = set(out.finished_sending or ()) if out is not None else set()
         clean = self.gen is not None and not self.gen.breakers
         check(failed <= recving, f"failed_recving {failed - recving} without finished_recving")
+        # (3a) a request that finished while its async load was in flight, with a child
+        # delaying the free, gets one terminal signal: the owner's receive is merged into the
+        # finished_sending (vLLM would free on the first of two and assert on the second)
+        for rid, reps in reports.items():
+            owner = self.loads.get(rid)
+            if (rid not in recving and owner in {name for name, _ in reps}
+                    and self.h.requests[rid].is_finished() and self.delayers.get(rid)):
+                del self.loads[rid]
+                self.root_recv[rid] += 1
+                STATS["root.recv_merged_into_send"] += 1
         # (3) receives: only for a load in flight, once, from its owner, never lost
         for rid in sorted(recving):
             owner = self.loads.get(rid)
@@ -583,10 +583,19 @@ class KVComposeMachine(RuleBasedStateMachine):
             drained += 1
         STATS["drain_steps"] += drained
         STATS["max_drain_steps"] = max(STATS["max_drain_steps"], drained)
+        if self.gen is not None and self.gen.breakers:
+            # Rogue signals hold no blocks: the scheduler may go idle before a breaker's
+            # timer fires. Keep stepping (as other traffic would) until they did: the late
+            # signals, for requests long gone, must be dropped without a crash.
+            for _ in range(8):
+                if not any(c.live_requests() for c in leaves(self.h.worker_connector)):
+                    break
+                self.do_step()
+                STATS["flush_steps"] += 1
         # (7) nothing left
         self.h.assert_clean()
         for conn in leaves(self.h.connector):
-            check(not conn.live_requests(), f"scheduler-side leaf {conn.script} state left: "
+            check(not conn.live_requests(), f"scheduler-side leaf state left: "
                                             f"{conn.live_requests()}")
         for conn in leaves(self.h.worker_connector):
             check(not conn.live_requests(), f"worker-side leaf state left: "

@@ -67,7 +67,7 @@ FINISH_WHILE_LOADING = (
     "frees the request on the first and asserts on the second")
 
 
-@pytest.mark.xfail(strict=True, reason=FINISH_WHILE_LOADING)
+
 @pytest.mark.parametrize(("load_steps", "send_steps"), [(2, 3), (3, 1)],
                          ids=["recv-first", "send-first"])
 def test_finish_while_loading_with_a_delaying_child_abort(make, load_steps, send_steps):
@@ -87,7 +87,7 @@ def test_finish_while_loading_with_a_delaying_child_abort(make, load_steps, send
     h.assert_clean()
 
 
-@pytest.mark.xfail(strict=True, reason=FINISH_WHILE_LOADING)
+
 def test_finish_while_loading_with_a_delaying_child_fail_policy(make):
     """The same with ``kv_load_failure_policy="fail"``: the scheduler finishes the request
     (FINISHED_ERROR, request_finished → b delays) before it processes the finished_recving
@@ -103,7 +103,7 @@ def test_finish_while_loading_with_a_delaying_child_fail_policy(make):
     h.assert_clean()
 
 
-@pytest.mark.xfail(strict=True, reason=FINISH_WHILE_LOADING)
+
 def test_finish_while_loading_with_a_delaying_child_nested(make):
     """The delaying child inside a nested node that also owns the load (the nested node
     itself returns delay=True while its load is in flight)."""
@@ -135,10 +135,6 @@ def test_finish_while_loading_without_a_delaying_child_is_fine(make):
 
 
 # --------------------------------------------- block-level total failure, no exclusion
-@pytest.mark.xfail(strict=True, reason=(
-    "composite bug: an async load whose blocks are all reported invalid (a block-level total "
-    "failure) does not exclude its owner; under recompute vLLM looks the request up again, "
-    "the same child wins again and fails again: the request never runs"))
 def test_total_invalid_block_failure_excludes_the_owner(make):
     """Found as a liveness failure: a fan-out loading from b, b's async load reports its
     first block invalid (no local hit: nothing valid), kv_load_failure_policy=recompute.
