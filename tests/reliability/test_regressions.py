@@ -196,3 +196,28 @@ def test_scripted_load_blocks_start_after_the_local_hit(make):
     assert bad == [(blocks[2],)], "the first loaded block, after the two cached ones"
     h.run_until_idle(max_steps=20)
     h.assert_clean()
+
+
+# --------------------------------------------------- vLLM's own bug, no kvcompose involved
+@pytest.mark.xfail(strict=True, reason=(
+    "vLLM bug (0.32 and 0.33): after a total async-load failure under recompute the request "
+    "stays in Scheduler._inflight_prefills, so a second async load for it reserves its own "
+    "blocks twice and is never admitted when the pool holds less than twice the request"))
+def test_vllm_readmits_a_request_after_its_async_load_failed(tiny_model):
+    """A single connector, no kvcompose: its first async load fails, the re-lookup offers an
+    async load again (a retry), and the pool (9 blocks) is smaller than twice the request
+    (5 blocks). The machine found this as a liveness failure behind a kvcompose fallback."""
+    s = script("rel.only", Behaviour(tokens=67, is_async=True, load="fail", failed_loads=1))
+    h = SchedulerHarness(tiny_model, {
+        "kv_connector": "ScriptedConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "kvcompose.testing.scripted",
+        "kv_connector_extra_config": {"script": "rel.only"}},
+        block_size=BLOCK, num_blocks=10, max_model_len=128, with_worker=True,
+        kv_load_failure_policy="recompute")
+    try:
+        rid = h.add_request(prompt(69), max_tokens=1).request_id
+        h.run_until_idle(max_steps=60)
+        assert s.lookups(rid) == 2
+        h.assert_clean()
+    finally:
+        h.close()
