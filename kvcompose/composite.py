@@ -95,6 +95,14 @@ class CompositeConnector(KVConnectorBase_V1):
         # vLLM's SimpleCPUOffload discovery duck-types on ``_connectors``.
         self._connectors = [c.connector for c in self.children]
         self.policy = policy_for(self.spec)
+        self._longest = self.policy.mode == "longest"
+        # bound methods of the per-request hot paths
+        self._lookups = [c.get_num_new_matched_tokens for c in self._connectors]
+        self._allocs = [c.update_state_after_alloc for c in self._connectors]
+        self._new_request = [c.on_new_request for c in self._connectors]
+        self._finishers = [c.request_finished for c in self._connectors]
+        self._divergent_hits = bool(self._connectors) and all(
+            c.supports_divergent_local_hybrid_hits for c in self._connectors)
         self.counters = NodeCounters([c.name for c in self.children])
         self.guard = Guard(self.name, [c.name for c in self.children], strict=self.strict,
                            on_error=[c.spec.on_error for c in self.children],
@@ -193,25 +201,31 @@ class CompositeConnector(KVConnectorBase_V1):
     # ======================================================== scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
+        # The scheduler calls this for every waiting request every step: keep it lean.
         record = self.ledger.begin_lookup(request.request_id)
-        now = time.monotonic()
         timed_out = (record.pending_since is not None
-                     and now - record.pending_since >= self._lookup_timeout_s)
+                     and time.monotonic() - record.pending_since >= self._lookup_timeout_s)
         candidates = self.policy.candidates(request)
-        longest = self.policy.mode == "longest"
+        longest = self._longest
         # what each child answered, kept only for the debug decision record
         trace: list[str] | None = [] if logger.isEnabledFor(logging.DEBUG) else None
         best: tuple[int, int, bool] | None = None  # (child, tokens, async)
         pending = False
         timeouts: list[int] = []
+        disabled, excluded = self.guard.disabled, record.excluded
         for child in candidates.children:
-            if child in self.guard.disabled:
+            if child in disabled:
                 continue
-            if child in record.excluded:
+            if child in excluded:
                 if trace is not None:
                     trace.append(f"{self.children[child].name}=excluded(failed)")
                 continue
-            tokens, is_async = self._lookup_child(child, request, num_computed_tokens)
+            try:
+                result = self._lookups[child](request, num_computed_tokens)
+            except Exception as exc:
+                self.guard.child_error(child, "get_num_new_matched_tokens", exc)
+                result = (0, False)
+            tokens, is_async = self.guard.normalise_lookup(child, result)
             if trace is not None:
                 trace.append(f"{self.children[child].name}="
                              f"{tokens}{'a' if is_async and tokens else ''}")
@@ -228,7 +242,7 @@ class CompositeConnector(KVConnectorBase_V1):
                 if not longest:
                     break
         if pending:
-            self.ledger.mark_pending(record, now)
+            self.ledger.mark_pending(record, time.monotonic())
             return None, False
         for child in timeouts:
             self.counters.lookup_timeout(child)
@@ -236,7 +250,7 @@ class CompositeConnector(KVConnectorBase_V1):
         reason = candidates.reason
         if timeouts:
             reason += "+deadline"
-        if record.excluded:
+        if excluded:
             reason += "+fallback"
         owner, tokens, is_async = best if best is not None else (None, 0, False)
         self.ledger.decide(record, owner, tokens, is_async, reason, num_computed_tokens)
@@ -249,25 +263,15 @@ class CompositeConnector(KVConnectorBase_V1):
                          " async" if is_async else "", reason)
         return tokens, is_async
 
-    def _lookup_child(self, child: int, request: Request, num_computed_tokens: int
-                      ) -> tuple[int | None, bool]:
-        try:
-            result = self._connectors[child].get_num_new_matched_tokens(request,
-                                                                        num_computed_tokens)
-        except Exception as exc:
-            self.guard.child_error(child, "get_num_new_matched_tokens", exc)
-            return 0, False
-        return self.guard.normalise_lookup(child, result)
-
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         req_id = request.request_id
         record = self.ledger.allocated(req_id, num_external_tokens)
         owner = record.owner if record is not None else None
-        for i, child in enumerate(self._connectors):
+        for i, alloc in enumerate(self._allocs):
             n = num_external_tokens if i == owner else 0
             try:
-                child.update_state_after_alloc(request, blocks, n)
+                alloc(request, blocks, n)
             except Exception as exc:
                 if n > 0:
                     raise  # the scheduler already counts these tokens: a load must happen
@@ -385,19 +389,19 @@ class CompositeConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        return self._finish(request, lambda child: child.request_finished(request, block_ids))
+        return self._finish(request, block_ids, self._finishers)
 
-    def _finish(self, request: Request,
-                call: Callable[[KVConnectorBase_V1], tuple[bool, dict[str, Any] | None]]
+    def _finish(self, request: Request, block_ids: Any,
+                finishers: list[Callable[[Request, Any], tuple[bool, dict[str, Any] | None]]]
                 ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        delaying = self._partial_tails.pop(req_id, set())
+        delaying = self._partial_tails.pop(req_id, None) or set()
         merged: dict[str, Any] | None = None
         producer: dict[str, int] = {}
         first_error: BaseException | None = None
-        for i, child in enumerate(self._connectors):
+        for i, finish in enumerate(finishers):
             try:
-                delay, params = call(child)
+                delay, params = finish(request, block_ids)
             except Exception as exc:  # every child must still hear the finish
                 try:
                     self.guard.child_error(i, "request_finished", exc)
@@ -435,7 +439,11 @@ class CompositeConnector(KVConnectorBase_V1):
         return merged
 
     def on_new_request(self, request: Request) -> None:
-        self._all_contained("on_new_request", request)
+        for i, new_request in enumerate(self._new_request):
+            try:
+                new_request(request)
+            except Exception as exc:
+                self.guard.child_error(i, "on_new_request", exc)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         for i in range(len(self._connectors)):
@@ -490,8 +498,7 @@ class CompositeConnector(KVConnectorBase_V1):
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
-        return bool(self._connectors) and all(
-            c.supports_divergent_local_hybrid_hits for c in self._connectors)
+        return self._divergent_hits  # read per lookup: taken from the children once
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -683,17 +690,25 @@ class CompositeConnector(KVConnectorBase_V1):
 class CompositeConnectorHMA(CompositeConnector, SupportsHMA):
     """The same node for the hybrid KV cache manager: vLLM decides HMA support per class."""
 
-    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
-        def call(child: KVConnectorBase_V1) -> tuple[bool, dict[str, Any] | None]:
-            if supports_hma(child):
-                return child.request_finished_all_groups(request, block_ids)  # type: ignore[attr-defined]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._finishers_all_groups = [
+            child.request_finished_all_groups if supports_hma(child)  # type: ignore[attr-defined]
+            else self._one_group(child) for child in self._connectors]
+
+    def _one_group(self, child: KVConnectorBase_V1
+                   ) -> Callable[[Request, tuple[list[int], ...]], tuple[bool, Any]]:
+        def finish(request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, Any]:
             if len(block_ids) != 1:
                 raise ValueError(f"kvcompose[{self.name}]: {type(child).__name__} does not "
                                  f"support HMA but the request has {len(block_ids)} KV groups")
             return child.request_finished(request, block_ids[0])
 
-        return self._finish(request, call)
+        return finish
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finish(request, block_ids, self._finishers_all_groups)
 
 
 def _leaf_class(leaf: specs.LeafSpec) -> type[KVConnectorBase_V1]:

@@ -64,6 +64,15 @@ class Guard:
 
     def normalise_lookup(self, child: int, result: Any) -> tuple[int | None, bool]:
         """Check a child's ``get_num_new_matched_tokens`` answer."""
+        if type(result) is tuple and len(result) == 2 and type(result[0]) is int:
+            tokens, is_async = result  # the common, well-formed answers, checked cheaply
+            if tokens > 0:
+                return tokens, bool(is_async)
+            if tokens == 0 and not is_async:
+                return 0, False
+        return self._normalise_slow(child, result)
+
+    def _normalise_slow(self, child: int, result: Any) -> tuple[int | None, bool]:
         if not (isinstance(result, tuple) and len(result) == 2):
             self.violation(child, "lookup_shape", f"returned {result!r}, not (int | None, bool)")
             return 0, False

@@ -27,7 +27,7 @@ serve it.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class LoadState(enum.Enum):
@@ -60,7 +60,7 @@ class LoadRecord:
     reason: str = ""
     pending_since: float | None = None
     lookups: int = 0
-    excluded: set[int] = field(default_factory=set)
+    excluded: frozenset[int] = frozenset()  # children whose load of this request failed
 
     def as_dict(self) -> dict[str, object]:
         return {"state": self.state.value, "owner": self.owner, "tokens": self.tokens,
@@ -150,7 +150,7 @@ class Ledger:
         if failed:
             record.state = LoadState.FAILED
             if record.owner is not None:
-                record.excluded.add(record.owner)
+                record.excluded = record.excluded | {record.owner}
         else:
             record.state = LoadState.LOADED
 
@@ -159,7 +159,7 @@ class Ledger:
         request up again (it does after a total failure under ``recompute``)."""
         for record in self._records.values():
             if record.owner is not None and block_ids.intersection(record.load_blocks):
-                record.excluded.add(record.owner)
+                record.excluded = record.excluded | {record.owner}
 
     def finished(self, req_id: str) -> LoadRecord | None:
         return self._records.pop(req_id, None)

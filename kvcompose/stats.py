@@ -15,7 +15,7 @@ Payload (``ComposedStats.data``, what ``to_dict`` returns and the logger process
 from __future__ import annotations
 
 import importlib
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,32 +29,37 @@ if TYPE_CHECKING:
 
 
 class NodeCounters:
-    """A node's counters: ``interval`` (drained each time vLLM collects stats) and
-    ``totals`` (since start, for the Python API and tests)."""
+    """A node's counters since start (``totals``, for the Python API and tests); vLLM's
+    periodic stats get what changed since the previous collection (``drain``). Incrementing
+    is one dict update: it happens on the scheduler's per-request path."""
 
     def __init__(self, child_names: list[str]) -> None:
         self.child_names = child_names
-        self.interval: Counter[str] = Counter()
-        self.totals: Counter[str] = Counter()
+        self.totals: defaultdict[str, int] = defaultdict(int)
+        self._drained: dict[str, int] = {}
+        self._hit_keys = [(f"hits.{n}", f"hit_tokens.{n}") for n in child_names]
 
     def inc(self, key: str, n: int = 1) -> None:
-        self.interval[key] += n
         self.totals[key] += n
 
     def lookup(self) -> None:
-        self.inc("lookups")
+        self.totals["lookups"] += 1
 
     def hit(self, child: int, tokens: int) -> None:
-        name = self.child_names[child]
-        self.inc(f"hits.{name}")
-        self.inc(f"hit_tokens.{name}", tokens)
+        hits, hit_tokens = self._hit_keys[child]
+        totals = self.totals
+        totals[hits] += 1
+        totals[hit_tokens] += tokens
 
     def lookup_timeout(self, child: int) -> None:
         self.inc(f"lookup_timeouts.{self.child_names[child]}")
 
     def drain(self) -> dict[str, int]:
-        out = dict(self.interval)
-        self.interval.clear()
+        """Counts since the previous ``drain``."""
+        previous = self._drained
+        out = {k: v - previous.get(k, 0) for k, v in self.totals.items()
+               if v != previous.get(k, 0)}
+        self._drained = dict(self.totals)
         return out
 
 
