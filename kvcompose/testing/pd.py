@@ -552,6 +552,31 @@ def trace_on(llm: Any) -> None:
 
     for path, conn in scheduler_connectors(llm).items():
         _wrap_connector(conn, path, trace)
+        _rebind(llm, conn)
+
+
+#: Lists of bound child methods a kvcompose node caches for its hot paths (attribute on the
+#: node → the child method); ``_rebind`` refreshes them after a child's method is wrapped.
+_CACHED_CHILD_METHODS = {"_lookups": "get_num_new_matched_tokens",
+                         "_allocs": "update_state_after_alloc",
+                         "_finishers": "request_finished",
+                         "_new_request": "on_new_request"}
+
+
+def _rebind(llm: Any, conn: Any) -> None:
+    """Point the parents' cached bound methods of ``conn`` at its current attributes, so
+    calls from a kvcompose node go through a wrapper set on the child instance."""
+    for _, parent in scheduler_connectors(llm).items():
+        children = getattr(parent, "_connectors", None)
+        if not children:
+            continue
+        for i, child in enumerate(children):
+            if child is not conn:
+                continue
+            for attr, method in _CACHED_CHILD_METHODS.items():
+                cached = getattr(parent, attr, None)
+                if isinstance(cached, list) and len(cached) == len(children):
+                    cached[i] = getattr(conn, method)
 
 
 def _wrap_connector(conn: Any, path: str, trace: dict[str, Any]) -> None:
@@ -613,6 +638,7 @@ def drop_calls(llm: Any, node: str, method: str, *, zero_only: bool = False,
     if not enable:
         if key in _DROPPED:
             setattr(conn, method, _DROPPED.pop(key))
+            _rebind(llm, conn)
         return
     if key in _DROPPED:
         return
@@ -634,6 +660,7 @@ def drop_calls(llm: Any, node: str, method: str, *, zero_only: bool = False,
         return None
 
     setattr(conn, method, dropped)
+    _rebind(llm, conn)
 
 
 def _sampling(max_tokens: int, params: dict[str, Any] | None) -> Any:
