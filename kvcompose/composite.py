@@ -38,7 +38,7 @@ from kvcompose.metadata import (
     ComposedWorkerMeta,
     CompositeMetadata,
 )
-from kvcompose.policies import policy_for
+from kvcompose.policies import RoutePolicy, policy_for
 from kvcompose.signals import WorkerSignals
 from kvcompose.stats import ComposedStats, NodeCounters, build_composed_prom_metrics
 
@@ -96,11 +96,10 @@ class CompositeConnector(KVConnectorBase_V1):
         self._connectors = [c.connector for c in self.children]
         self.policy = policy_for(self.spec)
         self._longest = self.policy.mode == "longest"
-        # bound methods of the per-request hot paths
-        self._lookups = [c.get_num_new_matched_tokens for c in self._connectors]
-        self._allocs = [c.update_state_after_alloc for c in self._connectors]
-        self._new_request = [c.on_new_request for c in self._connectors]
-        self._finishers = [c.request_finished for c in self._connectors]
+        self._fixed_candidates = (None if isinstance(self.policy, RoutePolicy)
+                                  else self.policy.candidates(None))  # type: ignore[arg-type]
+        self._debug = logger.isEnabledFor(logging.DEBUG)  # refreshed every step
+        self.refresh_child_methods()
         self._divergent_hits = bool(self._connectors) and all(
             c.supports_divergent_local_hybrid_hits for c in self._connectors)
         self.counters = NodeCounters([c.name for c in self.children])
@@ -123,6 +122,14 @@ class CompositeConnector(KVConnectorBase_V1):
         self.signals = WorkerSignals(self.guard)
         if role is KVConnectorRole.SCHEDULER:
             self.get_finished_count()  # refuse to start on a conflict
+
+    def refresh_child_methods(self) -> None:
+        """Cache the children's bound methods used on the per-request hot paths. Call again
+        after replacing a method on a child instance (tracing, fault injection)."""
+        self._lookups = [c.get_num_new_matched_tokens for c in self._connectors]
+        self._allocs = [c.update_state_after_alloc for c in self._connectors]
+        self._new_request = [c.on_new_request for c in self._connectors]
+        self._finishers = [c.request_finished for c in self._connectors]
 
     # ------------------------------------------------------------ introspection
     def live_requests(self) -> dict[str, Any]:
@@ -202,17 +209,22 @@ class CompositeConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         # The scheduler calls this for every waiting request every step: keep it lean.
-        record = self.ledger.begin_lookup(request.request_id)
-        timed_out = (record.pending_since is not None
-                     and time.monotonic() - record.pending_since >= self._lookup_timeout_s)
-        candidates = self.policy.candidates(request)
+        req_id = request.request_id
+        record = self.ledger.get(req_id)
+        if record is None:
+            timed_out, excluded = False, frozenset()
+        else:
+            timed_out = (record.state is LoadState.PENDING and record.pending_since is not None
+                         and time.monotonic() - record.pending_since >= self._lookup_timeout_s)
+            excluded = record.excluded
+        candidates = self._fixed_candidates or self.policy.candidates(request)
         longest = self._longest
         # what each child answered, kept only for the debug decision record
-        trace: list[str] | None = [] if logger.isEnabledFor(logging.DEBUG) else None
+        trace: list[str] | None = [] if self._debug else None
         best: tuple[int, int, bool] | None = None  # (child, tokens, async)
         pending = False
         timeouts: list[int] = []
-        disabled, excluded = self.guard.disabled, record.excluded
+        disabled = self.guard.disabled
         for child in candidates.children:
             if child in disabled:
                 continue
@@ -242,7 +254,7 @@ class CompositeConnector(KVConnectorBase_V1):
                 if not longest:
                     break
         if pending:
-            self.ledger.mark_pending(record, time.monotonic())
+            self.ledger.mark_pending(req_id, time.monotonic())
             return None, False
         for child in timeouts:
             self.counters.lookup_timeout(child)
@@ -253,7 +265,7 @@ class CompositeConnector(KVConnectorBase_V1):
         if excluded:
             reason += "+fallback"
         owner, tokens, is_async = best if best is not None else (None, 0, False)
-        self.ledger.decide(record, owner, tokens, is_async, reason, num_computed_tokens)
+        self.ledger.decide(req_id, owner, tokens, is_async, reason, num_computed_tokens)
         if owner is not None:
             self.counters.hit(owner, tokens)
         if trace is not None:
@@ -308,6 +320,7 @@ class CompositeConnector(KVConnectorBase_V1):
         return self._connectors[owner].get_loaded_kv_cache_group_ids(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._debug = logger.isEnabledFor(logging.DEBUG)
         children = tuple(c.build_connector_meta(scheduler_output) for c in self._connectors)
         metadata = CompositeMetadata(children, self._step_loads, self._step_sync_loads,
                                      self._step_sends)
@@ -324,6 +337,12 @@ class CompositeConnector(KVConnectorBase_V1):
         sent = connector_output.finished_sending or set()
         if connector_output.invalid_block_ids:
             self.ledger.exclude_owners_of_blocks(connector_output.invalid_block_ids)
+        worker_meta = connector_output.kv_connector_worker_meta
+        events = connector_output.kv_cache_events
+        if not (recv or failed or sent or worker_meta or events):
+            for i in range(len(self._connectors)):  # nothing to attribute: one shared view
+                self._call(i, "update_connector_output", None, connector_output)
+            return
         recv_by: dict[int, set[str]] = {}
         for req_id in recv | failed:
             owner = self.ledger.owner(req_id)
@@ -336,8 +355,6 @@ class CompositeConnector(KVConnectorBase_V1):
         for req_id in sent:
             for child in self._send_children.pop(req_id, ()):
                 sent_by.setdefault(child, set()).add(req_id)
-        worker_meta = connector_output.kv_connector_worker_meta
-        events = connector_output.kv_cache_events
         for i in range(len(self._connectors)):
             mine = recv_by.get(i, set())
             self._call(i, "update_connector_output", None, dataclasses.replace(
@@ -395,7 +412,7 @@ class CompositeConnector(KVConnectorBase_V1):
                 finishers: list[Callable[[Request, Any], tuple[bool, dict[str, Any] | None]]]
                 ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        delaying = self._partial_tails.pop(req_id, None) or set()
+        delaying = self._partial_tails.pop(req_id, None)
         merged: dict[str, Any] | None = None
         producer: dict[str, int] = {}
         first_error: BaseException | None = None
@@ -409,6 +426,8 @@ class CompositeConnector(KVConnectorBase_V1):
                     first_error = first_error or fatal
                 continue
             if delay:
+                if delaying is None:
+                    delaying = set()
                 delaying.add(i)
             if params:
                 merged = self._merge_params(merged, params, producer, i, req_id)
@@ -605,7 +624,7 @@ class CompositeConnector(KVConnectorBase_V1):
     # ============================================================= both sides
     def get_kv_connector_stats(self) -> ComposedStats | None:
         stats = ComposedStats.collect(self)
-        return None if stats.is_empty() else stats
+        return None if stats is None or stats.is_empty() else stats
 
     def shutdown(self) -> None:
         first_error: BaseException | None = None
@@ -690,8 +709,8 @@ class CompositeConnector(KVConnectorBase_V1):
 class CompositeConnectorHMA(CompositeConnector, SupportsHMA):
     """The same node for the hybrid KV cache manager: vLLM decides HMA support per class."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def refresh_child_methods(self) -> None:
+        super().refresh_child_methods()
         self._finishers_all_groups = [
             child.request_finished_all_groups if supports_hma(child)  # type: ignore[attr-defined]
             else self._one_group(child) for child in self._connectors]

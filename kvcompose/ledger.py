@@ -45,6 +45,9 @@ _RELOOKUP_FROM = frozenset(
 )
 
 
+_ALLOCATED = frozenset({LoadState.LOADING, LoadState.LOADED})
+
+
 class LedgerError(RuntimeError):
     """An event arrived that the state machine does not allow (a vLLM or child bug)."""
 
@@ -89,33 +92,33 @@ class Ledger:
         return {req_id: rec.as_dict() for req_id, rec in self._records.items()}
 
     # ------------------------------------------------------------- transitions
-    def begin_lookup(self, req_id: str) -> LoadRecord:
-        """A lookup starts (or restarts). Keeps ``excluded`` and the pending clock."""
+    def _for_lookup(self, req_id: str) -> LoadRecord:
         record = self._records.get(req_id)
         if record is None:
             record = self._records[req_id] = LoadRecord(LoadState.PENDING)
         elif record.state not in _RELOOKUP_FROM:
             raise LedgerError(f"request {req_id}: lookup while {record.state.value} "
                               f"(owner {record.owner}); vLLM only looks up reset requests")
-        elif record.state is not LoadState.PENDING:
-            record.state, record.owner, record.tokens = LoadState.PENDING, None, 0
-            record.is_async, record.reason, record.pending_since = False, "", None
-            record.load_blocks = ()
         record.lookups += 1
         return record
 
-    def mark_pending(self, record: LoadRecord, now: float) -> None:
-        record.state = LoadState.PENDING
-        if record.pending_since is None:
+    def mark_pending(self, req_id: str, now: float) -> None:
+        """A lookup could not decide yet (children answered ``None``). The deadline clock
+        starts at the first such answer since the request was last decided."""
+        record = self._for_lookup(req_id)
+        if record.state is not LoadState.PENDING or record.pending_since is None:
             record.pending_since = now
+        record.state, record.owner, record.tokens = LoadState.PENDING, None, 0
 
-    def decide(self, record: LoadRecord, owner: int | None, tokens: int, is_async: bool,
-               reason: str, local_tokens: int = 0) -> None:
-        record.state = LoadState.OWNED
-        record.local_tokens = local_tokens
-        record.owner, record.tokens, record.is_async = owner, tokens, is_async
-        record.reason = reason
-        record.pending_since = None
+    def decide(self, req_id: str, owner: int | None, tokens: int, is_async: bool,
+               reason: str, local_tokens: int) -> LoadRecord:
+        """A lookup decided: ``owner`` (or nobody) loads ``tokens`` after ``local_tokens``.
+        A re-lookup (after preemption or a failed load) keeps ``excluded``."""
+        record = self._for_lookup(req_id)
+        record.state, record.owner, record.tokens = LoadState.OWNED, owner, tokens
+        record.is_async, record.reason, record.local_tokens = is_async, reason, local_tokens
+        record.pending_since, record.load_blocks = None, ()
+        return record
 
     def allocated(self, req_id: str, num_external_tokens: int) -> LoadRecord | None:
         """``update_state_after_alloc`` was called. Returns the record (None if unknown)."""
@@ -125,9 +128,9 @@ class Ledger:
                 raise LedgerError(f"request {req_id}: {num_external_tokens} external tokens "
                                   "allocated but this node was never asked to look it up")
             return None
-        if record.state in (LoadState.LOADING, LoadState.LOADED) and num_external_tokens == 0:
-            return record  # the second call after an async load, or a later allocation
         if record.state is not LoadState.OWNED:
+            if num_external_tokens == 0 and record.state in _ALLOCATED:
+                return record  # the second call after an async load, or a later allocation
             if num_external_tokens > 0:
                 raise LedgerError(f"request {req_id}: {num_external_tokens} tokens allocated "
                                   f"while {record.state.value}")

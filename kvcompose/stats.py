@@ -57,6 +57,8 @@ class NodeCounters:
     def drain(self) -> dict[str, int]:
         """Counts since the previous ``drain``."""
         previous = self._drained
+        if self.totals == previous:
+            return {}
         out = {k: v - previous.get(k, 0) for k, v in self.totals.items()
                if v != previous.get(k, 0)}
         self._drained = dict(self.totals)
@@ -76,15 +78,18 @@ def _rebuild(path: str, data: dict[str, Any]) -> KVConnectorStats | None:
 @dataclass
 class ComposedStats(KVConnectorStats):
     @classmethod
-    def collect(cls, node: CompositeConnector) -> ComposedStats:
+    def collect(cls, node: CompositeConnector) -> ComposedStats | None:
+        """The node's stats since the last collection; None when there are none."""
         children: dict[str, dict[str, Any]] = {}
         for i, child in enumerate(node.children):
             stats = node._call(i, "get_kv_connector_stats", None)
             if stats is not None and not stats.is_empty():
                 children[child.name] = {"cls": class_path(type(child.connector)),
                                         "data": stats.to_dict()}
-        return cls(data={"node": node.name, "counters": node.counters.drain(),
-                         "children": children})
+        counters = node.counters.drain()
+        if not counters and not children:
+            return None
+        return cls(data={"node": node.name, "counters": counters, "children": children})
 
     @property
     def counters(self) -> dict[str, int]:

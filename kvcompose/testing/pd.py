@@ -555,28 +555,11 @@ def trace_on(llm: Any) -> None:
         _rebind(llm, conn)
 
 
-#: Lists of bound child methods a kvcompose node caches for its hot paths (attribute on the
-#: node → the child method); ``_rebind`` refreshes them after a child's method is wrapped.
-_CACHED_CHILD_METHODS = {"_lookups": "get_num_new_matched_tokens",
-                         "_allocs": "update_state_after_alloc",
-                         "_finishers": "request_finished",
-                         "_new_request": "on_new_request"}
-
-
 def _rebind(llm: Any, conn: Any) -> None:
-    """Point the parents' cached bound methods of ``conn`` at its current attributes, so
-    calls from a kvcompose node go through a wrapper set on the child instance."""
+    """Let kvcompose nodes above ``conn`` re-cache its (now wrapped) hot-path methods."""
     for _, parent in scheduler_connectors(llm).items():
-        children = getattr(parent, "_connectors", None)
-        if not children:
-            continue
-        for i, child in enumerate(children):
-            if child is not conn:
-                continue
-            for attr, method in _CACHED_CHILD_METHODS.items():
-                cached = getattr(parent, attr, None)
-                if isinstance(cached, list) and len(cached) == len(children):
-                    cached[i] = getattr(conn, method)
+        if conn in (getattr(parent, "_connectors", None) or ()):
+            parent.refresh_child_methods()
 
 
 def _wrap_connector(conn: Any, path: str, trace: dict[str, Any]) -> None:
