@@ -237,7 +237,11 @@ class CompositeConnector(KVConnectorBase_V1):
             except Exception as exc:
                 self.guard.child_error(child, "get_num_new_matched_tokens", exc)
                 result = (0, False)
-            tokens, is_async = self.guard.normalise_lookup(child, result)
+            if (type(result) is tuple and len(result) == 2 and type(result[0]) is int
+                    and (result[0] > 0 or not result[1])):
+                tokens, is_async = result  # well formed: the common case, checked inline
+            else:
+                tokens, is_async = self.guard.normalise_lookup(child, result)
             if trace is not None:
                 trace.append(f"{self.children[child].name}="
                              f"{tokens}{'a' if is_async and tokens else ''}")
@@ -265,7 +269,8 @@ class CompositeConnector(KVConnectorBase_V1):
         if excluded:
             reason += "+fallback"
         owner, tokens, is_async = best if best is not None else (None, 0, False)
-        self.ledger.decide(req_id, owner, tokens, is_async, reason, num_computed_tokens)
+        if owner is not None or record is not None:  # a plain miss needs no record
+            self.ledger.decide(req_id, owner, tokens, is_async, reason, num_computed_tokens)
         if owner is not None:
             self.counters.hit(owner, tokens)
         if trace is not None:

@@ -18,6 +18,9 @@ State machine (transitions are the only methods that change a record)::
                                                       failed_recving ──▶ FAILED ◀───────┘
     any state ── request_finished ──▶ (removed)
 
+A lookup that finds no owner for a request the node holds no record of creates none: a plain
+miss leaves nothing to track (the allocation that follows tells every child 0 tokens).
+
 A second ``update_state_after_alloc(…, 0)`` after an async load leaves the state unchanged.
 A failed owner is remembered in ``excluded`` and skipped when the scheduler looks the request
 up again (``kv_load_failure_policy="recompute"`` after a total failure), so the next child can
