@@ -254,7 +254,12 @@ class ScriptedConnector(KVConnectorBase_V1):
             self._rogue.update(connector_metadata.allocated)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return
+        """Raises (worker side) when a load of this step belongs to a request whose behaviour
+        has ``"start_load_kv"`` in ``raise_in``."""
+        metadata = self._connector_metadata
+        if isinstance(metadata, ScriptedMetadata):
+            for req_id in metadata.loads:
+                self._maybe_raise("start_load_kv", req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

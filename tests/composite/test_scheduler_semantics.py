@@ -547,3 +547,33 @@ def test_route_rules_that_cannot_be_evaluated_fall_back_to_the_default(harness):
         assert b.lookups(req.request_id) == 0
     h.run_until_idle()
     h.assert_clean()
+
+
+# --------------------------------------------------------------- worker-side errors
+@pytest.mark.parametrize("is_async", [True, False], ids=["async", "sync"])
+def test_a_child_raising_while_loading_fails_only_its_own_load(harness, is_async):
+    """a raises in start_load_kv for r_a's load: r_a's load is reported failed (async: a
+    failed receive; sync: its blocks as invalid) and recomputed, r_b's load by b is
+    untouched, and nothing hangs."""
+    a = script("a", Behaviour(), r_a=Behaviour(tokens=48, is_async=is_async,
+                                               raise_in=frozenset({"start_load_kv"})))
+    b = script("b", Behaviour(), r_b=Behaviour(tokens=48, is_async=is_async))
+    h = harness(kvcompose_config(chain("root", leaf("a"), leaf("b"))),
+                kv_load_failure_policy="recompute")
+    h.add_request(prompt(80, 1), request_id="r_a", max_tokens=2)
+    h.add_request(prompt(80, 2), request_id="r_b", max_tokens=2)
+    results = h.run_until_idle()
+    assert h.worker_connector.guard.errors[("a", "start_load_kv:RuntimeError")] >= 1
+    outputs = [r.kv_connector_output for r in results if r.kv_connector_output is not None]
+    if is_async:
+        failed = set().union(*(o.failed_recving for o in outputs))
+        assert failed == {"r_a"}, "a's load is reported failed, b's is not"
+    else:
+        invalid = set().union(*(o.invalid_block_ids for o in outputs))
+        (_, a_blocks), = [x for x in a.allocations("r_a") if x[0] > 0]
+        assert invalid and invalid <= set(a_blocks), "only a's loaded blocks are reported"
+    assert ext_allocs(b, "r_b")[0] == 48
+    assert h.finished["r_a"].finish_reason is not None and h.finished["r_b"] is not None
+    if is_async:
+        assert a.lookups("r_a") == 1, "the failed child is skipped on the re-lookup"
+    h.assert_clean()
