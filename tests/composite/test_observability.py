@@ -55,10 +55,11 @@ def test_two_children_of_one_class_are_reported_apart(tiny_model, tmp_path):
     capture = Capture()
     kv_logger = logging.getLogger("kvcompose")
     vllm_logger = logging.getLogger("vllm")
-    old_level = kv_logger.level
+    old_levels = kv_logger.level, vllm_logger.level
     kv_logger.addHandler(capture)
     vllm_logger.addHandler(capture)
     kv_logger.setLevel(logging.DEBUG)
+    vllm_logger.setLevel(logging.INFO)  # whatever VLLM_LOGGING_LEVEL an earlier test set
     try:
         with make_llm(tiny_model, tree, block_size=32, enable_prefix_caching=False,
                       disable_log_stats=False) as llm:
@@ -68,7 +69,8 @@ def test_two_children_of_one_class_are_reported_apart(tiny_model, tmp_path):
     finally:
         kv_logger.removeHandler(capture)
         vllm_logger.removeHandler(capture)
-        kv_logger.setLevel(old_level)
+        kv_logger.setLevel(old_levels[0])
+        vllm_logger.setLevel(old_levels[1])
 
     # the Python API: counters since start, keyed by node name, never by class
     assert totals["hit_tokens.disk"] == 256 and "hit_tokens.ram" not in totals
