@@ -115,7 +115,9 @@ def test_mooncake_keeps_sharing_structure() -> None:
 
 
 def test_mooncake_real_trace_file() -> None:
-    path = Path("/work/shared/data/mooncake-traces/conversation_trace.jsonl")
+    # ../shared beside the checkout, as laid out for developers and CI
+    path = (Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake-traces"
+            / "conversation_trace.jsonl")
     if not path.exists():
         pytest.skip("Mooncake traces not available")
     wl = load_trace(path, vocab_size=VOCAB, limit=20, mooncake=MooncakeParams())
