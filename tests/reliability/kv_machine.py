@@ -49,6 +49,9 @@ MAX_OUTPUT = 24
 #: Steps the final drain may take, plus this many per unfinished request, before the
 #: machine calls it a liveness failure (a request needs at most ~30 steps on its own).
 DRAIN_BASE, DRAIN_PER_REQUEST = 100, 60
+#: Steps with nothing scheduled, received or sent after which the drain looks for requests
+#: stuck by vLLM's stale ``_inflight_prefills`` (see ``abort_stale_inflight_prefills``).
+IDLE_STEPS = 20
 #: A lookup that stays ``None`` "forever" (only drawn when the node deadline is 0 s).
 FOREVER = 10**9
 
@@ -588,18 +591,30 @@ class KVComposeMachine(RuleBasedStateMachine):
             self.h.abort(*(r.request_id for r in stale))
         return bool(stale)
 
-    def drain_and_check(self) -> None:
-        drained = 0
+    def drain_budget(self) -> int:
         unfinished = sum(1 for r in self.h.requests.values() if not r.is_finished())
-        limit = DRAIN_BASE + DRAIN_PER_REQUEST * unfinished
+        return DRAIN_BASE + DRAIN_PER_REQUEST * unfinished
+
+    def drain_and_check(self) -> None:
+        drained = idle = 0
+        limit = self.drain_budget()
         while self.h.has_work():
-            if drained >= limit and self.abort_stale_inflight_prefills():
-                limit += DRAIN_BASE
             check(drained < limit,
                   f"liveness: still busy after {limit} steps with no new work: "
                   f"{self.h.describe()}; ledger {self.h.connector.ownership()}")
-            self.do_step()
+            result = self.do_step()
             drained += 1
+            out = result.kv_connector_output
+            moved = result.scheduler_output.total_num_scheduled_tokens > 0 or (
+                out is not None and (out.finished_recving or out.finished_sending))
+            idle = 0 if moved else idle + 1
+            # Nothing scheduled, nothing received or sent for IDLE_STEPS steps (pending
+            # lookups, loads and sends take at most 4): if vLLM's stale in-flight prefill
+            # holds the queue (FCFS: it blocks every request behind it), abort it and give
+            # the rest a fresh budget.
+            if idle >= IDLE_STEPS and self.abort_stale_inflight_prefills():
+                idle = 0
+                limit = drained + self.drain_budget()
         STATS["drain_steps"] += drained
         STATS["max_drain_steps"] = max(STATS["max_drain_steps"], drained)
         if self.gen is not None and self.gen.breakers:
