@@ -28,6 +28,21 @@ def multiconnector_config(*leaves: dict[str, Any], **fields: Any) -> dict[str, A
             "kv_connector_extra_config": {"connectors": children}, **fields}
 
 
+def example_leaf(name: str, path: Any, **fields: Any) -> dict[str, Any]:
+    """A leaf running vLLM's ExampleConnector (whole-prompt disk store) under ``path``."""
+    return {"kind": "leaf", "name": name, "connector": "ExampleConnector",
+            "extra_config": {"shared_storage_path": str(path)}, **fields}
+
+
+def prefix_store_leaf(name: str, path: Any, *, fields: dict[str, Any] | None = None,
+                      **extra_config: Any) -> dict[str, Any]:
+    """A leaf running kvcompose's PrefixStoreConnector under ``path`` (``extra_config``
+    keywords such as ``load_mode="async"`` go to the store; ``fields`` to the node)."""
+    return {"kind": "leaf", "name": name, "connector": "PrefixStoreConnector",
+            "module_path": "kvcompose.stores",
+            "extra_config": {"path": str(path), **extra_config}, **(fields or {})}
+
+
 def chain(name: str, *children: dict[str, Any], policy: str = "first",
           **fields: Any) -> dict[str, Any]:
     return {"kind": "chain", "name": name, "policy": policy, "children": list(children),

@@ -14,22 +14,18 @@ from safetensors.torch import load_file, save_file
 
 from kvcompose.introspect import node_stats, scheduler_connector
 from kvcompose.testing.engine import greedy, make_llm
-from kvcompose.testing.trees import chain, kvcompose_config, multiconnector_config
+from kvcompose.testing.trees import (
+    chain,
+    example_leaf,
+    kvcompose_config,
+    multiconnector_config,
+    prefix_store_leaf,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
 BLOCK = 32
 MAX_TOKENS = 6
-
-
-def example(name: str, path: Path, **fields: Any) -> dict[str, Any]:
-    return {"kind": "leaf", "name": name, "connector": "ExampleConnector",
-            "extra_config": {"shared_storage_path": str(path)}, **fields}
-
-
-def prefix_store(name: str, path: Path, **fields: Any) -> dict[str, Any]:
-    return {"kind": "leaf", "name": name, "connector": "PrefixStoreConnector",
-            "module_path": "kvcompose.stores", "extra_config": {"path": str(path)}, **fields}
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -55,7 +51,7 @@ def hits(llm: Any) -> dict[str, int]:
 
 def test_fanout_save_delete_one_store_load_from_the_other(tiny_model, baseline, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    tree = kvcompose_config(chain("tiers", example("a", a), example("b", b)))
+    tree = kvcompose_config(chain("tiers", example_leaf("a", a), example_leaf("b", b)))
     with engine(tiny_model, tree) as llm:
         assert greedy(llm, prompts(2, 150), MAX_TOKENS) == baseline["short"]
     assert list(a.rglob("*.safetensors")) and list(b.rglob("*.safetensors")), \
@@ -70,7 +66,7 @@ def test_fanout_save_delete_one_store_load_from_the_other(tiny_model, baseline, 
 def test_corrupted_store_changes_the_output(tiny_model, baseline, tmp_path):
     """The negative control: the loaded KV is really used."""
     a = tmp_path / "a"
-    tree = kvcompose_config(chain("tiers", example("a", a)))
+    tree = kvcompose_config(chain("tiers", example_leaf("a", a)))
     with engine(tiny_model, tree) as llm:
         greedy(llm, prompts(2, 150), MAX_TOKENS)
     gen = torch.Generator().manual_seed(0)
@@ -84,7 +80,7 @@ def test_corrupted_store_changes_the_output(tiny_model, baseline, tmp_path):
 
 
 def fill(model: Path, store: Path, prompt: list[int]) -> None:
-    with engine(model, kvcompose_config(chain("fill", prefix_store("s", store)))) as llm:
+    with engine(model, kvcompose_config(chain("fill", prefix_store_leaf("s", store)))) as llm:
         greedy(llm, [prompt], 1)
 
 
@@ -96,8 +92,10 @@ def test_longest_picks_the_longer_prefix_where_first_picks_the_shorter(
     fill(tiny_model, deep, long_prompt)  # 8 chunks (256 tokens of 259)
     for policy, expected in (("first", {"hit_tokens.short": 64}),
                              ("longest", {"hit_tokens.deep": 256})):
-        tree = kvcompose_config(chain("tiers", prefix_store("short", short, save=False),
-                                      prefix_store("deep", deep, save=False), policy=policy))
+        load_only = {"save": False}
+        tree = kvcompose_config(chain("tiers", prefix_store_leaf("short", short, fields=load_only),
+                                      prefix_store_leaf("deep", deep, fields=load_only),
+                                      policy=policy))
         with engine(tiny_model, tree) as llm:
             assert greedy(llm, [long_prompt], MAX_TOKENS) == baseline["long"]
             assert hits(llm) == expected, policy
@@ -109,11 +107,10 @@ def test_nested_tree_end_to_end(tiny_model, baseline, tmp_path):
     dirs = {n: tmp_path / n for n in ("fast", "warm", "cold", "archive")}
     route = {"kind": "route", "name": "pick", "default": "slow",
              "rules": [{"child": "fast", "param": "tier", "equals": "fast"}],
-             "children": [prefix_store("fast", dirs["fast"]),
-                          chain("slow", prefix_store("warm", dirs["warm"]),
-                                prefix_store("cold", dirs["cold"], extra_config={
-                                    "path": str(dirs["cold"]), "load_mode": "async"}))]}
-    tree = kvcompose_config(chain("root", route, prefix_store("archive", dirs["archive"]),
+             "children": [prefix_store_leaf("fast", dirs["fast"]),
+                          chain("slow", prefix_store_leaf("warm", dirs["warm"]),
+                                prefix_store_leaf("cold", dirs["cold"], load_mode="async"))]}
+    tree = kvcompose_config(chain("root", route, prefix_store_leaf("archive", dirs["archive"]),
                                   policy="longest"))
     ps = prompts(2, 150)
     with engine(tiny_model, tree) as llm:
@@ -136,7 +133,7 @@ def test_nested_tree_end_to_end(tiny_model, baseline, tmp_path):
 def test_multiconnector_json_works_unchanged_through_compat(tiny_model, baseline, tmp_path):
     """An existing MultiConnector user adds one line: kv_connector_module_path."""
     a, b = tmp_path / "a", tmp_path / "b"
-    config = multiconnector_config(example("a", a), example("b", b))
+    config = multiconnector_config(example_leaf("a", a), example_leaf("b", b))
     config["kv_connector_module_path"] = "kvcompose.compat"
     with engine(tiny_model, config) as llm:
         assert greedy(llm, prompts(2, 150), MAX_TOKENS) == baseline["short"]

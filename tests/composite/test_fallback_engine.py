@@ -4,21 +4,15 @@ request up again, kvcompose skips the failed child and the next child serves it.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvcompose.introspect import node_stats, scheduler_connector
 from kvcompose.testing.engine import make_llm, sampling_params
-from kvcompose.testing.trees import chain, kvcompose_config
+from kvcompose.testing.trees import chain, kvcompose_config, prefix_store_leaf
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
-
-
-def store(name: str, path: Path, **extra: Any) -> dict[str, Any]:
-    return {"kind": "leaf", "name": name, "connector": "PrefixStoreConnector",
-            "module_path": "kvcompose.stores", "extra_config": {"path": str(path), **extra}}
 
 
 def run(llm: Any, requests: dict[str, list[int]], max_tokens: int = 6) -> dict[str, list[int]]:
@@ -42,12 +36,12 @@ def test_failed_owner_is_skipped_and_the_next_child_serves(tiny_model, tmp_path)
     with make_llm(tiny_model, None, **kw) as llm:
         baseline = run(llm, requests)
     a, b = tmp_path / "a", tmp_path / "b"
-    fill = kvcompose_config(chain("fill", store("a", a), store("b", b)))
+    fill = kvcompose_config(chain("fill", prefix_store_leaf("a", a), prefix_store_leaf("b", b)))
     with make_llm(tiny_model, fill, **kw) as llm:
         run(llm, requests, 1)
     tree = kvcompose_config(
-        chain("tiers", store("a", a, load_mode="async", fail_load_request_ids=["r0"]),
-              store("b", b), policy="first"),
+        chain("tiers", prefix_store_leaf("a", a, load_mode="async", fail_load_request_ids=["r0"]),
+              prefix_store_leaf("b", b), policy="first"),
         kv_load_failure_policy="recompute")
     with make_llm(tiny_model, tree, **kw) as llm:
         assert run(llm, requests) == baseline

@@ -5,21 +5,14 @@ from __future__ import annotations
 
 import logging
 import shutil
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvcompose.introspect import node_stats
 from kvcompose.testing.engine import greedy, make_llm
-from kvcompose.testing.trees import chain, kvcompose_config
+from kvcompose.testing.trees import chain, example_leaf, kvcompose_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
-
-
-def example(name: str, path: Path) -> dict[str, Any]:
-    return {"kind": "leaf", "name": name, "connector": "ExampleConnector",
-            "extra_config": {"shared_storage_path": str(path)}}
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -47,7 +40,7 @@ def sample(name: str, labels: dict[str, str]) -> float | None:
 
 def test_two_children_of_one_class_are_reported_apart(tiny_model, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    tree = kvcompose_config(chain("tiers", example("ram", a), example("disk", b)))
+    tree = kvcompose_config(chain("tiers", example_leaf("ram", a), example_leaf("disk", b)))
     with make_llm(tiny_model, tree, block_size=32, enable_prefix_caching=False) as llm:
         greedy(llm, prompts(2), 2)
     shutil.rmtree(a)  # "ram" lost its contents: "disk" must serve both requests
