@@ -5,7 +5,7 @@
 #   .venv-vllm033  the official vllm 0.33.0 wheel, lean: enough for its scheduler on CPU
 #
 # Usage: scripts/setup.sh [--no-run] [--quiet]
-#   --no-run   install only; skip the main job (benchmark, or the engine smoke run)
+#   --no-run   install only; skip the main job (the default benchmark)
 #   --quiet    print only the steps that have work to do (scripts/test.sh uses this)
 #
 # Idempotent: each step leaves a stamp file (inside the venv it installs into) keyed by a hash
@@ -266,15 +266,10 @@ fi
 step "main job"
 if [[ "$RUN_MAIN" == 0 ]]; then
   [[ "$QUIET" == 1 ]] || say "--no-run given, skipping"
-elif "$VENV/bin/kvcompose" bench --help >/dev/null 2>&1; then
-  work
-  say "running: kvcompose bench"
-  "$VENV/bin/kvcompose" bench
 else
   work
-  say "'kvcompose bench' not available yet; running the engine smoke test instead"
-  say "(tiny model + vllm.LLM with ExampleConnector: store, then reload; ~1 min)"
-  "$VENV/bin/python" -m kvcompose.testing.engine --smoke
+  say "running: kvcompose bench (the default comparison, about 5 min on 2 cores)"
+  "$VENV/bin/kvcompose" bench
 fi
 
 step_done
