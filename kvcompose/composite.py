@@ -184,10 +184,6 @@ class CompositeConnector(KVConnectorBase_V1):
             self.guard.child_error(child, method, exc)  # re-raises under on_error: fail
             return default
 
-    def _all_contained(self, method: str, *args: Any, **kwargs: Any) -> None:
-        for i in range(len(self._connectors)):
-            self._call(i, method, None, *args, **kwargs)
-
     def _all_loading(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Worker calls that load KV: a child that raises fails its own loads, no other's."""
         for i, child in enumerate(self._connectors):

@@ -112,11 +112,3 @@ class Guard:
             logger.error("kvcompose[%s]: child %r raised %s in %s; treated as a miss "
                          "(logged once per child and error type)", self.node_name, name,
                          type(exc).__name__, where, exc_info=exc)
-
-    def counters(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {"violations": {}, "errors": {}}
-        for (name, kind), count in self.violations.items():
-            out["violations"][f"{name}.{kind}"] = count
-        for (name, kind), count in self.errors.items():
-            out["errors"][f"{name}.{kind}"] = count
-        return out

@@ -65,7 +65,6 @@ class LoadRecord:
     load_blocks: tuple[int, ...] = ()  # the blocks the owner's load writes (group 0)
     reason: str = ""
     pending_since: float | None = None
-    lookups: int = 0
     excluded: frozenset[int] = frozenset()  # children whose load of this request failed
 
     def as_dict(self) -> dict[str, object]:
@@ -102,7 +101,6 @@ class Ledger:
         elif record.state not in _RELOOKUP_FROM:
             raise LedgerError(f"request {req_id}: lookup while {record.state.value} "
                               f"(owner {record.owner}); vLLM only looks up reset requests")
-        record.lookups += 1
         return record
 
     def mark_pending(self, req_id: str, now: float) -> None:

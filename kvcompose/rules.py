@@ -109,8 +109,7 @@ RULES: dict[str, tuple[Rule, str]] = {
 
 
 def public_members(cls: type) -> set[str]:
-    """Public members (and ``_get_connector_metadata``) a class declares or inherits from its
-    vLLM bases, excluding ``object``'s."""
+    """Public members a class declares or inherits, excluding ``object``'s."""
     names: set[str] = set()
     for klass in cls.__mro__:
         if klass is object:

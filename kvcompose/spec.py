@@ -117,10 +117,6 @@ NodeSpec = LeafSpec | ChainSpec | FanoutSpec | RouteSpec
 CompositeSpec = ChainSpec | FanoutSpec | RouteSpec
 
 
-def is_composite(spec: NodeSpec) -> bool:
-    return not isinstance(spec, LeafSpec)
-
-
 def walk(spec: NodeSpec, depth: int = 0) -> Iterator[tuple[int, NodeSpec]]:
     """Depth-first, parents before children."""
     yield depth, spec

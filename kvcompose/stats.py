@@ -99,10 +99,6 @@ class ComposedStats(KVConnectorStats):
     def children(self) -> dict[str, dict[str, Any]]:
         return self.data.setdefault("children", {})
 
-    def child_stats(self, name: str) -> KVConnectorStats | None:
-        entry = self.children.get(name)
-        return None if entry is None else _rebuild(entry["cls"], entry["data"])
-
     def reset(self) -> None:
         self.data = {"node": self.data.get("node"), "counters": {}, "children": {}}
 

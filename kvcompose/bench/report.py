@@ -96,19 +96,13 @@ def write_plots(results: dict[str, Any], out: Path) -> dict[str, str]:
 
     chains = [c for c in results.get("chains", []) if c.get("requests")]
     files = {}
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    _ttft_plot(ax, chains)
-    fig.tight_layout()
-    fig.savefig(out / "ttft.png", dpi=110)
-    plt.close(fig)
-    files["ttft_png"] = str(out / "ttft.png")
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    _hits_plot(ax, chains)
-    fig.tight_layout()
-    fig.savefig(out / "hit_tokens.png", dpi=110)
-    plt.close(fig)
-    files["hit_tokens_png"] = str(out / "hit_tokens.png")
+    for name, plot in (("ttft", _ttft_plot), ("hit_tokens", _hits_plot)):
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        plot(ax, chains)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+        files[f"{name}_png"] = str(out / f"{name}.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
     _ttft_plot(axes[0], chains)
