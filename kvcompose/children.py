@@ -20,8 +20,15 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 
-from kvcompose.config.transfer import OWN_FIELDS, child_transfer_config, transfer_dict
-from kvcompose.spec import TREE_KEY, LeafSpec, NodeSpec, to_dict
+from kvcompose.tree import (
+    OWN_FIELDS,
+    TREE_KEY,
+    Leaf,
+    Node,
+    child_transfer_config,
+    dump_node,
+    transfer_dict,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -41,26 +48,26 @@ class Child:
     """One child of a composite node, as the node sees it."""
 
     name: str
-    spec: NodeSpec
+    spec: Node
     connector: KVConnectorBase_V1
     saves: bool
 
 
-def child_transfer_dict(parent: Any, spec: NodeSpec, *, strict: bool,
+def child_transfer_dict(parent: Any, spec: Node, *, strict: bool,
                         hma: bool) -> dict[str, Any]:
     """The ``KVTransferConfig`` fields for ``spec`` as a child of ``parent`` (a
     ``KVTransferConfig`` or its dict): inherited fields, then the child's own."""
-    if isinstance(spec, LeafSpec):
+    if isinstance(spec, Leaf):
         return child_transfer_config(parent, spec)
     inherited = {k: v for k, v in transfer_dict(parent).items()
                  if k not in OWN_FIELDS and v is not None}
     return {**inherited,
             "kv_connector": NESTED_CONNECTOR_HMA if hma else NESTED_CONNECTOR,
             "kv_connector_module_path": NESTED_MODULE,
-            "kv_connector_extra_config": {TREE_KEY: to_dict(spec), "strict": strict}}
+            "kv_connector_extra_config": {TREE_KEY: dump_node(spec), "strict": strict}}
 
 
-def child_vllm_config(vllm_config: VllmConfig, spec: NodeSpec, *, strict: bool,
+def child_vllm_config(vllm_config: VllmConfig, spec: Node, *, strict: bool,
                       hma: bool) -> VllmConfig:
     assert vllm_config.kv_transfer_config is not None
     try:
@@ -73,7 +80,7 @@ def child_vllm_config(vllm_config: VllmConfig, spec: NodeSpec, *, strict: bool,
     return config
 
 
-def child_class(config: VllmConfig, spec: NodeSpec) -> type[KVConnectorBase_V1]:
+def child_class(config: VllmConfig, spec: Node) -> type[KVConnectorBase_V1]:
     assert config.kv_transfer_config is not None
     try:
         cls = KVConnectorFactory.get_connector_class(config.kv_transfer_config)
@@ -87,7 +94,7 @@ def hma_enabled(vllm_config: VllmConfig) -> bool:
     return not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
 
 
-def build_child(vllm_config: VllmConfig, role: Any, kv_cache_config: Any, spec: NodeSpec, *,
+def build_child(vllm_config: VllmConfig, role: Any, kv_cache_config: Any, spec: Node, *,
                 strict: bool) -> Child:
     hma = hma_enabled(vllm_config)
     config = child_vllm_config(vllm_config, spec, strict=strict, hma=hma)

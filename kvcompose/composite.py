@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 
-from kvcompose import spec as specs
+from kvcompose import tree as specs
 from kvcompose.children import Child, build_child, child_class, child_vllm_config
 from kvcompose.guard import Guard
 from kvcompose.ledger import Ledger, LoadState
@@ -64,16 +64,16 @@ class CompositeConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def tree_from_config(cls, extra_config: Mapping[str, Any]) -> specs.CompositeSpec:
+    def tree_from_config(cls, extra_config: Mapping[str, Any]) -> specs.Composite:
         """The node's spec, read from its ``kv_connector_extra_config``."""
         if specs.TREE_KEY in extra_config:  # a subtree handed down by a parent composite
-            tree = specs.from_dict(extra_config[specs.TREE_KEY])
+            tree = specs.parse_node(extra_config[specs.TREE_KEY])
         else:
             from kvcompose.config import tree_from_extra_config
 
             tree = tree_from_extra_config(extra_config)
-        if isinstance(tree, specs.LeafSpec):  # a lone connector: a chain of one
-            tree = specs.ChainSpec(name="root", children=(tree,))
+        if isinstance(tree, specs.Leaf):  # a lone connector: a chain of one
+            tree = specs.Chain(name="root", children=(tree,))
         return tree
 
     @staticmethod
@@ -671,11 +671,11 @@ class CompositeConnector(KVConnectorBase_V1):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         tree = cls.tree_from_config(extra_config)
         for child in tree.children:
-            if isinstance(child, specs.LeafSpec):
+            if isinstance(child, specs.Leaf):
                 child_cls = _leaf_class(child)
                 if child_cls.requires_piecewise_for_cudagraph(dict(child.extra_config)):
                     return True
-            elif cls.requires_piecewise_for_cudagraph({specs.TREE_KEY: specs.to_dict(child)}):
+            elif cls.requires_piecewise_for_cudagraph({specs.TREE_KEY: specs.dump_node(child)}):
                 return True
         return False
 
@@ -689,7 +689,7 @@ class CompositeConnector(KVConnectorBase_V1):
         for child in tree.children:
             ktc = KVTransferConfig(**child_transfer_dict(kv_transfer_config, child, strict=False,
                                                          hma=False))
-            child_cls = _leaf_class(child) if isinstance(child, specs.LeafSpec) else cls
+            child_cls = _leaf_class(child) if isinstance(child, specs.Leaf) else cls
             check = getattr(child_cls, "supports_sleep_mode", None)
             if check is not None and not check(ktc):
                 return False
@@ -731,7 +731,7 @@ class CompositeConnectorHMA(CompositeConnector, SupportsHMA):
         return self._finish(request, block_ids, self._finishers_all_groups)
 
 
-def _leaf_class(leaf: specs.LeafSpec) -> type[KVConnectorBase_V1]:
+def _leaf_class(leaf: specs.Leaf) -> type[KVConnectorBase_V1]:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     class _Ktc:  # what get_connector_class reads

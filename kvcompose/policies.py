@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvcompose.spec import ChainSpec, CompositeSpec, FanoutSpec, RouteRule, RouteSpec
+from kvcompose.tree import Chain, Composite, Fanout, Route, RouteRule
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -126,13 +126,13 @@ def _matches(rule: RouteRule, predicate: Callable[[Any], bool] | None, request: 
     return predicate is None or bool(predicate(request))
 
 
-def policy_for(spec: CompositeSpec) -> LookupPolicy:
+def policy_for(spec: Composite) -> LookupPolicy:
     index = {child.name: i for i, child in enumerate(spec.children)}
-    if isinstance(spec, ChainSpec):
+    if isinstance(spec, Chain):
         return ChainPolicy(len(spec.children), spec.policy)
-    if isinstance(spec, FanoutSpec):
+    if isinstance(spec, Fanout):
         load_from = None if spec.load_from is None else index[spec.load_from]
         return FanoutPolicy(load_from, spec.load_from)
-    if isinstance(spec, RouteSpec):
+    if isinstance(spec, Route):
         return RoutePolicy(spec.rules, index, spec.default)
     raise TypeError(f"not a composite node: {spec!r}")

@@ -10,10 +10,10 @@ from rich.tree import Tree
 
 from kvcompose.cli.common import add_load_flags, console, load
 from kvcompose.config import Config, effective_saves
-from kvcompose.config.load import PARAMS_PRODUCERS
+from kvcompose.config.compile import PARAMS_PRODUCERS
 from kvcompose.config.render import MODULE_PATH, composite_class
 from kvcompose.config.vllm_checks import NAME_CHECKED
-from kvcompose.spec import ChainSpec, FanoutSpec, LeafSpec, NodeSpec, RouteRule, RouteSpec
+from kvcompose.tree import Chain, Fanout, Leaf, Node, Route, RouteRule
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -55,11 +55,11 @@ def explain(config: Config, title: str | None = None) -> list[Any]:
     return items
 
 
-def _tree(config: Config, node: NodeSpec, saves: dict[str, bool],
+def _tree(config: Config, node: Node, saves: dict[str, bool],
           tag: str = "", tree: Tree | None = None) -> Tree:
     label = f"{tag}{_label(config, node, saves)}"
     branch = Tree(label, guide_style="dim") if tree is None else tree.add(label)
-    if isinstance(node, LeafSpec):
+    if isinstance(node, Leaf):
         for line in _leaf_details(config, node):
             branch.add(f"[dim]{escape(line)}[/dim]")
         return branch
@@ -68,12 +68,12 @@ def _tree(config: Config, node: NodeSpec, saves: dict[str, bool],
     return branch
 
 
-def _label(config: Config, node: NodeSpec, saves: dict[str, bool]) -> str:
+def _label(config: Config, node: Node, saves: dict[str, bool]) -> str:
     name = escape(node.name)
     extras = []
     if node.on_error != "miss":
         extras.append(f"on_error={node.on_error}")
-    if isinstance(node, LeafSpec):
+    if isinstance(node, Leaf):
         where = f" ({escape(node.module_path)})" if node.module_path else ""
         saving = "[green]saves[/green]" if saves.get(node.name) else "[red]no save[/red]"
         if not saves.get(node.name) and node.save:
@@ -83,27 +83,27 @@ def _label(config: Config, node: NodeSpec, saves: dict[str, bool]) -> str:
     timeout = f"timeout {node.lookup_timeout_s:g}s"
     if not node.save:
         extras.append("[red]save: false[/red] (no leaf below saves)")
-    if isinstance(node, ChainSpec):
+    if isinstance(node, Chain):
         how = ("asks children in order; the first hit loads" if node.policy == "first" else
                "asks every child; the longest hit loads (ties go to the earlier child)")
         text = f"[bold]{name}[/bold]  chain, policy {node.policy}: {how}; {timeout}"
-    elif isinstance(node, FanoutSpec):
+    elif isinstance(node, Fanout):
         loads = (f"lookups and loads go to {escape(node.load_from)!r}" if node.load_from
                  else "never loads (write-only)")
         text = f"[bold]{name}[/bold]  fanout: saves to every child; {loads}; {timeout}"
     else:
-        assert isinstance(node, RouteSpec)
+        assert isinstance(node, Route)
         text = (f"[bold]{name}[/bold]  route: one child per request looks up and loads "
                 f"(first matching rule, else {escape(node.default)!r}); {timeout}")
     return text + "".join(f"  {e}" for e in extras)
 
 
-def _child_tag(parent: NodeSpec, child: NodeSpec, index: int) -> str:
-    if isinstance(parent, ChainSpec):
+def _child_tag(parent: Node, child: Node, index: int) -> str:
+    if isinstance(parent, Chain):
         return f"[cyan]#{index + 1}[/cyan] "
-    if isinstance(parent, FanoutSpec):
+    if isinstance(parent, Fanout):
         return "[cyan]loads[/cyan] " if parent.load_from == child.name else ""
-    if isinstance(parent, RouteSpec):
+    if isinstance(parent, Route):
         tags = [f"rule {i + 1}: {_rule_text(rule)}" for i, rule in enumerate(parent.rules)
                 if rule.child == child.name]
         if parent.default == child.name:
@@ -129,14 +129,15 @@ def _rule_text(rule: RouteRule) -> str:
     return " and ".join(parts)
 
 
-def _leaf_details(config: Config, leaf: LeafSpec) -> list[str]:
+def _leaf_details(config: Config, leaf: Leaf) -> list[str]:
     lines = []
     if leaf.extra_config:
         lines.append("extra_config: " + ", ".join(f"{k}={v!r}"
                                                   for k, v in leaf.extra_config.items()))
-    own = {k: v for k, v in leaf.transfer_config.items()
+    fields = leaf.transfer_fields()
+    own = {k: v for k, v in fields.items()
            if k not in config.transfer or config.transfer[k] != v}
-    inherited = [k for k in leaf.transfer_config if k not in own]
+    inherited = [k for k in fields if k not in own]
     if own:
         lines.append("sets: " + ", ".join(f"{k}={v!r}" for k, v in own.items()))
     if inherited:
@@ -233,6 +234,6 @@ def vllm_view(config: Config) -> list[str]:
     return lines
 
 
-def _who(leaf: LeafSpec) -> str:
+def _who(leaf: Leaf) -> str:
     return leaf.name if leaf.name == leaf.connector else f"{leaf.name} ({leaf.connector})"
 

@@ -1,8 +1,8 @@
-"""Declarative connector trees: YAML/JSON/dict configs -> validated ``kvcompose.spec`` trees.
+"""Declarative connector trees: YAML/JSON/dict configs -> validated ``kvcompose.tree`` trees.
 
 Public API:
 
-- ``load_tree(source)``: a file path (YAML or JSON) or a dict in the user format -> ``NodeSpec``;
+- ``load_tree(source)``: a file path (YAML or JSON) or a dict in the user format -> a tree node;
 - ``load_config(source)``: the same, with everything the CLI needs (``Config``);
 - ``tree_from_extra_config(extra)``: what the KVCompose connector calls with its
   ``kv_connector_extra_config``;
@@ -14,19 +14,17 @@ See ``docs/config.md`` for the file format. Nothing here imports vLLM unless vLL
 installed and the checks that need it run.
 """
 
+from kvcompose.config.compile import NodeInfo
 from kvcompose.config.errors import ConfigError, ErrorItem
 from kvcompose.config.load import (
     Config,
-    NodeInfo,
     config_from_extra_config,
-    effective_saves,
     load_config,
     load_tree,
     tree_from_extra_config,
     vllm_available,
 )
-from kvcompose.config.schema import VERSION, json_schema
-from kvcompose.config.transfer import child_transfer_config
+from kvcompose.tree import VERSION, child_transfer_config, effective_saves, json_schema
 
 __all__ = [
     "VERSION",

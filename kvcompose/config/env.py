@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from kvcompose.config.errors import ConfigError, did_you_mean
-from kvcompose.config.schema import NODE_KINDS, TRANSFER_FIELDS
+from kvcompose.tree import NODE_KINDS, TRANSFER_FIELDS
 
 ENV_PREFIX = "KVCOMPOSE_"
 ENV_CONFIG_FILE = "KVCOMPOSE_CONFIG_FILE"

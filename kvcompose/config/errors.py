@@ -7,6 +7,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvcompose.tree import describe
+
+__all__ = ["ConfigError", "ErrorItem", "Path", "describe", "did_you_mean", "format_path",
+           "line_for"]
+
 Path = tuple[str | int, ...]
 
 
@@ -103,16 +108,3 @@ def line_for(linemap: Mapping[Path, int] | None, path: Path) -> int | None:
         if not path:
             return None
         path = path[:-1]
-
-
-def describe(value: Any) -> str:
-    """A short description of a value for "got ..." messages."""
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-             list: "a list", tuple: "a list", dict: "a mapping", type(None): "null"}
-    kind = names.get(type(value), type(value).__name__)
-    if isinstance(value, (bool, int, float)) or value is None:
-        return f"{kind} ({value!r})" if value is not None else kind
-    if isinstance(value, str):
-        shown = value if len(value) <= 40 else value[:37] + "..."
-        return f"{kind} ({shown!r})"
-    return kind

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from kvcompose import spec as specs
+from kvcompose.config.compile import NodeInfo, Translate, compile_document
+from kvcompose.config.document import document_from_tree
 from kvcompose.config.env import (
     ENV_CONFIG_FILE,
     Override,
@@ -20,73 +21,28 @@ from kvcompose.config.env import (
     environ,
     mapping_overrides,
 )
-from kvcompose.config.errors import (
-    ConfigError,
-    ErrorItem,
-    Path,
-    describe,
-    did_you_mean,
-    line_for,
-)
-from kvcompose.config.messages import items_from_validation
-from kvcompose.config.schema import (
-    NODE_KINDS,
-    TRANSFER_FIELDS,
-    VERSION,
-    ChainModel,
-    Document,
-    FanoutModel,
-    LeafModel,
-    NodeEntry,
-    RouteModel,
-)
+from kvcompose.config.errors import ConfigError, ErrorItem, Path, describe, line_for
 from kvcompose.config.source import Source, read_file
-from kvcompose.spec import TREE_KEY, NodeSpec
+from kvcompose.tree import NODE_KINDS, TRANSFER_FIELDS, TREE_KEY, VERSION, Node, parse_node, walk
 
 #: Names vLLM loads the composite under.
 COMPOSITE_NAMES = ("KVCompose", "KVComposeHMA")
 EXTRA_CONFIG = "kv_connector_extra_config"
-
-#: ``kv_transfer_params`` keys the P/D connectors vLLM ships put in a finished request.
-PD_PARAMS_KEYS = frozenset({
-    "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids",
-    "remote_host", "remote_port", "remote_request_id", "tp_size",
-})
-#: Registered connectors known to produce ``kv_transfer_params``.
-PARAMS_PRODUCERS: dict[str, frozenset[str]] = {
-    name: PD_PARAMS_KEYS for name in (
-        "NixlConnector", "NixlPullConnector", "NixlPushConnector", "MooncakeConnector",
-        "MoRIIOConnector")
-}
-
-Translate = Callable[[Path], Path]
-
 
 def _identity(path: Path) -> Path:
     return path
 
 
 @dataclass(frozen=True)
-class NodeInfo:
-    """Where a node sits in the document."""
-
-    name: str
-    kind: str
-    path: Path  # of the node's body, e.g. ("tree", "chain", "children", 1, "leaf")
-    parent: str | None
-    index: int | None  # position among the parent's children
-
-
-@dataclass(frozen=True)
 class Config:
     """A loaded config: the tree plus what the CLI needs to explain and print it.
 
-    ``tree`` is the spec handed to the composite: every leaf's ``transfer_config`` already
-    holds the document's top-level fields it does not override. ``document`` is the
+    ``tree`` is what the composite runs: every node named, every leaf holding the
+    document's top-level ``KVTransferConfig`` fields it does not set itself. ``document`` is the
     normalised user-format document (every node named, overrides applied).
     """
 
-    tree: NodeSpec
+    tree: Node
     document: dict[str, Any] | None = None
     transfer: dict[str, Any] = field(default_factory=dict)  # top-level KVTransferConfig fields
     hma: bool | None = None  # None: auto
@@ -153,7 +109,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *,
 
 def load_tree(source: str | os.PathLike | Mapping[str, Any], *,
               env: Mapping[str, str] | None = None,
-              check_vllm: bool | None = None) -> NodeSpec:
+              check_vllm: bool | None = None) -> Node:
     """The validated tree of a config file (YAML/JSON) or dict; raises ``ConfigError``."""
     return load_config(source, env=env, check_vllm=check_vllm).tree
 
@@ -174,13 +130,13 @@ def config_from_extra_config(extra: Mapping[str, Any], *,
         raise ConfigError(f"expected a mapping, got {describe(extra)}", label)
     if TREE_KEY in extra:
         try:
-            tree = specs.from_dict(extra[TREE_KEY])
-        except Exception as exc:  # internal form: a bug elsewhere if this fails
-            raise ConfigError(f"{TREE_KEY}: malformed internal tree "
-                              f"({type(exc).__name__}: {exc})", label) from None
+            tree = parse_node(extra[TREE_KEY])
+        except ValidationError as exc:  # internal form: a bug elsewhere if this fails
+            raise ConfigError(f"{TREE_KEY}: malformed internal tree ({exc.error_count()} "
+                              f"problems, first: {exc.errors()[0]['msg']})", label) from None
         return Config(tree=tree, label=label, origin="internal",
-                      nodes={n.name: NodeInfo(n.name, n.kind, (), None, None)
-                             for _, n in specs.walk(tree)})
+                      nodes={n.name: NodeInfo(n.name, n.kind, (), None, None)  # type: ignore[arg-type]
+                             for _, n in walk(tree)})
     env = environ(env)
     src, late, _ = _split_extra(dict(extra), env, Source({}, label), ())
     return _load(src, env_overrides(env) + late, check_vllm)
@@ -188,7 +144,7 @@ def config_from_extra_config(extra: Mapping[str, Any], *,
 
 def tree_from_extra_config(extra: Mapping[str, Any], *,
                            env: Mapping[str, str] | None = None,
-                           check_vllm: bool | None = None) -> NodeSpec:
+                           check_vllm: bool | None = None) -> Node:
     """The tree for a KVCompose connector's ``kv_connector_extra_config`` (see
     ``config_from_extra_config`` for the accepted forms)."""
     return config_from_extra_config(extra, env=env, check_vllm=check_vllm).tree
@@ -248,8 +204,6 @@ def _from_composite_args(data: dict[str, Any], src: Source, env: Mapping[str, st
                           src.label)
     parent = {k: v for k, v in data.items() if k in TRANSFER_FIELDS and v is not None}
     if TREE_KEY in extra:  # the internal form, in a file: validate it like any document
-        from kvcompose.config.render import document_from_tree
-
         tree = config_from_extra_config({TREE_KEY: extra[TREE_KEY]}, env={}).tree
         doc = document_from_tree(tree, parent)
         if extra.get("strict"):
@@ -298,12 +252,12 @@ def _load(src: Source, overrides: list[Override], check_vllm: bool | None, *,
                                     "reads its own documents, KVCompose and MultiConnector "
                                     "configs", line_for(src.linemap, ("kv_connector",))),
                           src.label)
-    compiled = _compile(data, src.label, src.linemap, translate)
+    compiled = compile_document(data, src.label, src.linemap, translate)
     applied: list[str] = []
     for override in overrides:
         document = apply_override(compiled.document, override)
         try:
-            compiled = _compile(document, override.source, None, _identity)
+            compiled = compile_document(document, override.source, None, _identity)
         except ConfigError as exc:
             raise exc.relabel(override.source) from None
         applied.append(override.source)
@@ -321,262 +275,3 @@ def _load(src: Source, overrides: list[Override], check_vllm: bool | None, *,
         config = dataclasses.replace(config, facts=facts,
                                      warnings=config.warnings + tuple(facts.warnings()))
     return config
-
-
-@dataclass
-class _Compiled:
-    tree: NodeSpec
-    document: dict[str, Any]
-    transfer: dict[str, Any]
-    hma: bool | None
-    version: int
-    nodes: dict[str, NodeInfo]
-    warnings: list[str]
-
-
-@dataclass
-class _Walked:
-    entry: NodeEntry
-    path: Path  # of the body
-    parent: _Walked | None
-    index: int | None
-    name: str = ""
-
-
-def _compile(data: dict[str, Any], label: str | None, linemap: Mapping[Path, int] | None,
-             translate: Translate) -> _Compiled:
-    def fail(items: list[ErrorItem]) -> ConfigError:
-        real = [ErrorItem(translate(i.path), i.message) for i in items]
-        return ConfigError([ErrorItem(i.path, i.message, line_for(linemap, i.path))
-                            for i in real], label)
-
-    try:
-        doc = Document.model_validate(data)
-    except ValidationError as exc:
-        raise fail(items_from_validation(exc)) from None
-
-    walked: list[_Walked] = []
-
-    def visit(entry: NodeEntry, path: Path, parent: _Walked | None, index: int | None) -> None:
-        node = _Walked(entry, (*path, entry.kind), parent, index)
-        walked.append(node)
-        body = entry.body
-        if not isinstance(body, LeafModel):
-            for i, child in enumerate(body.children):
-                visit(child, (*node.path, "children", i), node, i)
-
-    visit(doc.tree, ("tree",), None, None)
-    problems = _assign_names(walked)
-    problems += _check_references(walked)
-    problems += _check_params(walked)
-    if problems:
-        raise fail(problems)
-
-    transfer = _top_transfer(doc)
-    tree = _build(walked[0], walked, transfer)
-    nodes = {w.name: NodeInfo(w.name, w.entry.kind, w.path,
-                              w.parent.name if w.parent else None, w.index) for w in walked}
-    return _Compiled(tree=tree, document=_dump_document(doc, walked), transfer=transfer,
-                     hma=None if doc.hma == "auto" else bool(doc.hma), version=doc.version,
-                     nodes=nodes, warnings=_warnings(tree, walked))
-
-
-def _assign_names(walked: list[_Walked]) -> list[ErrorItem]:
-    problems: list[ErrorItem] = []
-    taken: dict[str, Path] = {}
-    for node in walked:
-        name = node.entry.body.name
-        if name is None:
-            continue
-        if name in taken:
-            problems.append(ErrorItem((*node.path, "name"), f"duplicate node name {name!r} "
-                                      f"(also used at {_fmt(taken[name])})"))
-        else:
-            taken[name] = (*node.path, "name")
-        node.name = name
-    for node in walked:
-        if node.entry.body.name is not None:
-            continue
-        body = node.entry.body
-        base = body.connector if isinstance(body, LeafModel) else node.entry.kind
-        base = "".join(c if c.isalnum() or c in "_-" else "_" for c in base)[:56] or "node"
-        name, n = base, 1
-        while name in taken:
-            n += 1
-            name = f"{base}-{n}"
-        taken[name] = node.path
-        node.name = name
-    return problems
-
-
-def _fmt(path: Path) -> str:
-    from kvcompose.config.errors import format_path
-
-    return format_path(path)
-
-
-def _children(node: _Walked, walked: list[_Walked]) -> list[str]:
-    return [w.name for w in walked if w.parent is node]
-
-
-def _check_references(walked: list[_Walked]) -> list[ErrorItem]:
-    problems: list[ErrorItem] = []
-    for node in walked:
-        body = node.entry.body
-        kids = _children(node, walked)
-
-        def ref(value: str, path: Path, what: str, kids: list[str] = kids,
-                node: _Walked = node) -> None:
-            if value not in kids:
-                problems.append(ErrorItem(path, f"{what} {value!r} is not a child of "
-                                          f"{node.entry.kind} {node.name!r}"
-                                          f"{did_you_mean(value, kids)} (children: "
-                                          f"{', '.join(kids)})"))
-
-        if isinstance(body, RouteModel):
-            ref(body.default, (*node.path, "default"), "default")
-            for i, rule in enumerate(body.rules):
-                ref(rule.child, (*node.path, "rules", i, "child"), "rule child")
-        elif isinstance(body, FanoutModel) and body.load_from is not None:
-            ref(body.load_from, (*node.path, "load_from"), "load_from")
-    return problems
-
-
-def _check_params(walked: list[_Walked]) -> list[ErrorItem]:
-    producers: list[tuple[_Walked, frozenset[str]]] = []
-    for node in walked:
-        body = node.entry.body
-        if not isinstance(body, LeafModel):
-            continue
-        if body.params_keys is not None:
-            keys = frozenset(body.params_keys)
-        elif body.module_path is None:
-            keys = PARAMS_PRODUCERS.get(body.connector, frozenset())
-        else:
-            keys = frozenset()
-        if not keys:
-            continue
-        for other, other_keys in producers:
-            common = sorted(keys & other_keys)
-            if common:
-                shown = ", ".join(common[:4]) + (", ..." if len(common) > 4 else "")
-                return [ErrorItem(node.path, f"{node.name!r} ({body.connector}) and "
-                                  f"{other.name!r} ({other.entry.body.connector}) would both "
-                                  f"produce kv_transfer_params keys ({shown}): at most one "
-                                  "leaf may produce each key (set 'params_keys: []' on a leaf "
-                                  "that produces none)")]
-        producers.append((node, keys))
-    return []
-
-
-def _top_transfer(doc: Document) -> dict[str, Any]:
-    out = {key: getattr(doc, key) for key in TRANSFER_FIELDS if getattr(doc, key) is not None}
-    out.update(doc.transfer_config)
-    return out
-
-
-def _leaf_transfer(body: LeafModel) -> dict[str, Any]:
-    out = {key: getattr(body, key) for key in TRANSFER_FIELDS if getattr(body, key) is not None}
-    out.update(body.transfer_config)
-    return out
-
-
-def _build(node: _Walked, walked: list[_Walked], transfer: dict[str, Any]) -> NodeSpec:
-    body = node.entry.body
-    common = {"name": node.name, "save": body.save, "on_error": body.on_error}
-    if isinstance(body, LeafModel):
-        return specs.LeafSpec(connector=body.connector, module_path=body.module_path,
-                              extra_config=dict(body.extra_config),
-                              transfer_config={**transfer, **_leaf_transfer(body)}, **common)
-    children = tuple(_build(w, walked, transfer) for w in walked if w.parent is node)
-    if isinstance(body, ChainModel):
-        return specs.ChainSpec(children=children, policy=body.policy,
-                               lookup_timeout_s=float(body.lookup_timeout_s), **common)
-    if isinstance(body, FanoutModel):
-        return specs.FanoutSpec(children=children, load_from=body.load_from,
-                                lookup_timeout_s=float(body.lookup_timeout_s), **common)
-    assert isinstance(body, RouteModel)
-    rules = tuple(specs.RouteRule(child=r.child, param=r.param, equals=r.equals,
-                                  has_equals="equals" in r.model_fields_set,
-                                  min_prompt_tokens=r.min_prompt_tokens,
-                                  max_prompt_tokens=r.max_prompt_tokens, predicate=r.predicate)
-                  for r in body.rules)
-    return specs.RouteSpec(children=children, default=body.default, rules=rules,
-                           lookup_timeout_s=float(body.lookup_timeout_s), **common)
-
-
-def _warnings(tree: NodeSpec, walked: list[_Walked]) -> list[str]:
-    out: list[str] = []
-    if not any(saves for _, saves in effective_saves(tree)):
-        out.append("no leaf saves: this tree never stores KV caches")
-    for node in walked:
-        body = node.entry.body
-        if isinstance(body, ChainModel) and len(body.children) == 1:
-            out.append(f"{_fmt(node.path)}: chain {node.name!r} has a single child")
-    return out
-
-
-def effective_saves(tree: NodeSpec) -> list[tuple[specs.LeafSpec, bool]]:
-    """Every leaf with whether it really saves (its flag and every ancestor's)."""
-    out: list[tuple[specs.LeafSpec, bool]] = []
-
-    def visit(node: NodeSpec, parent_saves: bool) -> None:
-        saves = parent_saves and node.save
-        if isinstance(node, specs.LeafSpec):
-            out.append((node, saves))
-        else:
-            for child in node.children:
-                visit(child, saves)
-
-    visit(tree, True)
-    return out
-
-
-# --------------------------------------------------------------------------- dumping
-
-_LEAF_ORDER = ("name", "connector", "module_path", *TRANSFER_FIELDS, "transfer_config",
-               "extra_config", "save", "on_error", "params_keys")
-_COMPOSITE_ORDER = {
-    "chain": ("name", "policy", "lookup_timeout_s", "save", "on_error", "children"),
-    "fanout": ("name", "load_from", "lookup_timeout_s", "save", "on_error", "children"),
-    "route": ("name", "default", "rules", "lookup_timeout_s", "save", "on_error",
-              "children"),
-}
-_RULE_ORDER = ("param", "equals", "min_prompt_tokens", "max_prompt_tokens", "predicate",
-               "child")
-
-
-def _dump_document(doc: Document, walked: list[_Walked]) -> dict[str, Any]:
-    out: dict[str, Any] = {"version": doc.version}
-    for key in (*TRANSFER_FIELDS, "transfer_config", "hma", "strict"):
-        if key in doc.model_fields_set:
-            out[key] = _plain(getattr(doc, key))
-    out["tree"] = _dump_node(walked[0], walked)
-    return out
-
-
-def _dump_node(node: _Walked, walked: list[_Walked]) -> dict[str, Any]:
-    body = node.entry.body
-    kind = node.entry.kind
-    order = _LEAF_ORDER if kind == "leaf" else _COMPOSITE_ORDER[kind]
-    out: dict[str, Any] = {}
-    for key in order:
-        if key == "name":
-            out["name"] = node.name
-        elif key == "children":
-            out["children"] = [_dump_node(w, walked) for w in walked if w.parent is node]
-        elif key == "rules":
-            if "rules" in body.model_fields_set:
-                out["rules"] = [{k: _plain(getattr(r, k)) for k in _RULE_ORDER
-                                 if k in r.model_fields_set} for r in body.rules]
-        elif key in body.model_fields_set:
-            out[key] = _plain(getattr(body, key))
-    return {kind: out}
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value

@@ -8,24 +8,30 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from kvcompose.config.errors import ErrorItem, Path, describe, did_you_mean
-from kvcompose.config.schema import (
+from kvcompose.tree import (
+    NODE_KIND_ERROR,
     NODE_KINDS,
     TRANSFER_FIELDS,
-    ChainModel,
+    Chain,
     Document,
-    FanoutModel,
-    LeafModel,
-    NodeEntry,
-    RouteModel,
-    RuleModel,
+    Fanout,
+    Leaf,
+    Route,
+    RouteRule,
 )
 
-_BODY = {"leaf": LeafModel, "chain": ChainModel, "fanout": FanoutModel, "route": RouteModel}
+
+class _NodeKey(BaseModel):
+    """Stands for a node's own mapping (one key, the kind) in ``model_at``."""
+
+
+_BODY: dict[str, type[BaseModel]] = {"leaf": Leaf, "chain": Chain, "fanout": Fanout,
+                                     "route": Route}
 _NEXT: dict[tuple[type[BaseModel], str], type[BaseModel]] = {
-    (Document, "tree"): NodeEntry,
-    **{(NodeEntry, kind): model for kind, model in _BODY.items()},
-    **{(model, "children"): NodeEntry for model in (ChainModel, FanoutModel, RouteModel)},
-    (RouteModel, "rules"): RuleModel,
+    (Document, "tree"): _NodeKey,
+    **{(_NodeKey, kind): model for kind, model in _BODY.items()},
+    **{(model, "children"): _NodeKey for model in (Chain, Fanout, Route)},
+    (Route, "rules"): RouteRule,
 }
 
 #: vLLM's spelling -> ours, for "did you mean".
@@ -60,6 +66,7 @@ _TYPES = {
     "model_type": "expected a mapping",
     "model_attributes_type": "expected a mapping",
     "list_type": "expected a list",
+    "tuple_type": "expected a list",
 }
 
 
@@ -83,11 +90,6 @@ def model_at(loc: Path) -> type[BaseModel] | None:
     return None if pending_list else model
 
 
-def allowed_keys(loc: Path) -> list[str]:
-    model = model_at(loc)
-    return list(model.model_fields) if model else []
-
-
 def items_from_validation(exc: ValidationError) -> list[ErrorItem]:
     """Our messages for pydantic's errors: unknown keys first (a typo is usually the cause of
     the rest), and no "missing 'x'" where an unknown key was probably meant to be 'x'."""
@@ -105,13 +107,22 @@ def items_from_validation(exc: ValidationError) -> list[ErrorItem]:
         loc = tuple(err["loc"])
         if err["type"] == "missing" and loc and (loc[:-1], str(loc[-1])) in typos:
             continue
-        item = _item(err)
-        key = (item.path, item.message)
-        if key not in seen:
-            seen.add(key)
-            items.append(item)
+        for item in _items(err):
+            key = (item.path, item.message)
+            if key not in seen:
+                seen.add(key)
+                items.append(item)
     items.sort(key=lambda i: not i.message.startswith("unknown key"))
     return items
+
+
+def _items(err: dict[str, Any]) -> list[ErrorItem]:
+    """A mapping that is no node yields one item per key that names no kind."""
+    if err["type"] == NODE_KIND_ERROR and isinstance(err.get("input"), dict):
+        loc = tuple(err["loc"])
+        return [ErrorItem((*loc, key), _unknown_key((*loc, key))) for key in err["input"]
+                if key not in NODE_KINDS]
+    return [_item(err)]
 
 
 def _item(err: dict[str, Any]) -> ErrorItem:
@@ -126,7 +137,7 @@ def _item(err: dict[str, Any]) -> ErrorItem:
     if kind == "missing":
         key = str(loc[-1]) if loc else ""
         parent = loc[:-1]
-        if key == "default" and model_at(parent) is RouteModel:
+        if key == "default" and model_at(parent) is Route:
             return ErrorItem(parent, _MISSING["default"])
         return ErrorItem(parent, _MISSING.get(key, f"missing required key {key!r}"))
     if kind == "kvcompose":
@@ -159,11 +170,11 @@ def _unknown_key(loc: Path) -> str:
     key = loc[-1] if loc else ""
     parent = loc[:-1]
     model = model_at(parent)
-    allowed = list(model.model_fields) if model else []
+    allowed = list(model.model_fields) if model and model is not _NodeKey else []
     late = (*TRANSFER_FIELDS, "transfer_config")
     allowed = [k for k in allowed if k not in late] + [k for k in allowed if k in late]
     text = f"unknown key {key!r}"
-    if model is NodeEntry and isinstance(key, str):
+    if model is _NodeKey and isinstance(key, str):
         for kind in NODE_KINDS:
             if key in _BODY[kind].model_fields:
                 return f"{text}: node settings go inside the kind, e.g. 'leaf: {{{key}: ...}}'"

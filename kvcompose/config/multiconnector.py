@@ -15,13 +15,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvcompose.config.errors import ConfigError, ErrorItem, Path, describe, did_you_mean, line_for
-from kvcompose.config.schema import (
+from kvcompose.config.source import Source
+from kvcompose.tree import (
+    DEFAULT_LOOKUP_TIMEOUT_S,
     KNOWN_KV_TRANSFER_FIELDS,
     OWN_FIELDS,
     TRANSFER_FIELDS,
+    Chain,
+    Leaf,
 )
-from kvcompose.config.source import Source
-from kvcompose.spec import DEFAULT_LOOKUP_TIMEOUT_S, ChainSpec, LeafSpec
 
 EXTRA = "kv_connector_extra_config"
 MULTI = "MultiConnector"
@@ -194,8 +196,8 @@ def multiconnector_from_config(config: Any, *, compat: bool = False) -> tuple[di
         info = config.nodes.get(name)
         return config.error(info.path if info else (), f"cannot convert to {target}: {why}")
 
-    if not isinstance(tree, ChainSpec) or tree.policy != "first":
-        what = f"a {tree.policy!r} chain" if isinstance(tree, ChainSpec) else f"a {tree.kind}"
+    if not isinstance(tree, Chain) or tree.policy != "first":
+        what = f"a {tree.policy!r} chain" if isinstance(tree, Chain) else f"a {tree.kind}"
         raise nope(tree.name, f"the root is {what}; only a 'first' chain of leaves is flat")
     if not compat and tree.lookup_timeout_s != DEFAULT_LOOKUP_TIMEOUT_S:
         raise nope(tree.name, "MultiConnector has no lookup timeout")
@@ -206,13 +208,13 @@ def multiconnector_from_config(config: Any, *, compat: bool = False) -> tuple[di
         raise config.error(("kv_role",), "required: vLLM needs kv_role at the top level")
     children = []
     for child in tree.children:
-        if not isinstance(child, LeafSpec):
+        if not isinstance(child, Leaf):
             raise nope(child.name, f"{child.kind} {child.name!r} is nested; only leaves are "
                                    "flat (use kvcompose's KVCompose form)")
         if not child.save:
             raise nope(child.name, f"leaf {child.name!r} has save: false, but every "
                                    "MultiConnector child saves")
-        own = dict(child.transfer_config)
+        own = child.transfer_fields()
         if not compat and "engine_id" in own and own.get("engine_id") != top.get("engine_id"):
             raise nope(child.name, f"leaf {child.name!r} sets its own engine_id, which makes "
                                    "vLLM's MultiConnector raise TypeError (pass --compat)")

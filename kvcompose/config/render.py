@@ -9,17 +9,10 @@ from typing import Any
 
 import yaml
 
+from kvcompose.config.document import document_from_tree
 from kvcompose.config.errors import ConfigError
 from kvcompose.config.load import Config
-from kvcompose.config.schema import TRANSFER_FIELDS, VERSION
-from kvcompose.spec import (
-    DEFAULT_LOOKUP_TIMEOUT_S,
-    ChainSpec,
-    FanoutSpec,
-    LeafSpec,
-    NodeSpec,
-    RouteSpec,
-)
+from kvcompose.tree import TRANSFER_FIELDS, VERSION
 
 #: How vLLM loads the composite (``kvcompose`` resolves the class lazily).
 MODULE_PATH = "kvcompose"
@@ -123,71 +116,6 @@ def to_yaml(data: Any, header: str | None = None) -> str:
     if header:
         text = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + text
     return text
-
-
-def document_from_tree(tree: NodeSpec, transfer: dict[str, Any] | None = None
-                       ) -> dict[str, Any]:
-    """A user-format document for a spec (the inverse of loading it). Fields of a leaf's
-    ``transfer_config`` equal to ``transfer`` (the top level) are left to inheritance."""
-    transfer = dict(transfer or {})
-    doc: dict[str, Any] = {"version": VERSION}
-    for key, value in transfer.items():
-        if key in TRANSFER_FIELDS:
-            doc[key] = value
-        else:
-            doc.setdefault("transfer_config", {})[key] = value
-    doc["tree"] = _node(tree, transfer)
-    return doc
-
-
-def _node(node: NodeSpec, transfer: dict[str, Any]) -> dict[str, Any]:
-    common: dict[str, Any] = {}
-    if not node.save:
-        common["save"] = False
-    if node.on_error != "miss":
-        common["on_error"] = node.on_error
-    if isinstance(node, LeafSpec):
-        body: dict[str, Any] = {"name": node.name, "connector": node.connector}
-        if node.module_path:
-            body["module_path"] = node.module_path
-        for key, value in node.transfer_config.items():
-            if key in transfer and transfer[key] == value:
-                continue
-            if key in TRANSFER_FIELDS:
-                body[key] = value
-            else:
-                body.setdefault("transfer_config", {})[key] = value
-        if node.extra_config:
-            body["extra_config"] = dict(node.extra_config)
-        body.update(common)
-        return {"leaf": body}
-    body = {"name": node.name}
-    if isinstance(node, ChainSpec):
-        body["policy"] = node.policy
-    elif isinstance(node, FanoutSpec):
-        if node.load_from is not None:
-            body["load_from"] = node.load_from
-    elif isinstance(node, RouteSpec):
-        body["default"] = node.default
-        if node.rules:
-            rules = []
-            for rule in node.rules:
-                entry: dict[str, Any] = {}
-                if rule.param is not None:
-                    entry["param"] = rule.param
-                if rule.has_equals:
-                    entry["equals"] = rule.equals
-                for key in ("min_prompt_tokens", "max_prompt_tokens", "predicate"):
-                    if getattr(rule, key) is not None:
-                        entry[key] = getattr(rule, key)
-                entry["child"] = rule.child
-                rules.append(entry)
-            body["rules"] = rules
-    if node.lookup_timeout_s != DEFAULT_LOOKUP_TIMEOUT_S:
-        body["lookup_timeout_s"] = node.lookup_timeout_s
-    body.update(common)
-    body["children"] = [_node(child, transfer) for child in node.children]
-    return {node.kind: body}
 
 
 def simplify_document(document: dict[str, Any]) -> dict[str, Any]:

@@ -14,8 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvcompose.config.errors import did_you_mean
-from kvcompose.config.transfer import child_transfer_config
-from kvcompose.spec import LeafSpec, RouteSpec, walk
+from kvcompose.tree import Leaf, Route, child_transfer_config, walk
 
 #: Connectors vLLM special-cases by name (``KVTransferConfig.has_connector``, HiSparse,
 #: SimpleCPUOffload); under a KVCompose composite those checks do not see them.
@@ -96,9 +95,9 @@ def inspect_config(config: Any) -> VllmFacts:
     ktc_fields = {f.name for f in dataclasses.fields(KVTransferConfig)}
     paths = config.leaf_paths()
     for _, node in walk(config.tree):
-        if isinstance(node, RouteSpec):
+        if isinstance(node, Route):
             _check_predicates(config, node)
-        if not isinstance(node, LeafSpec):
+        if not isinstance(node, Leaf):
             continue
         path = paths.get(node.name, ())
         cls = _resolve(config, node, path, reg, supports_kw)
@@ -129,7 +128,7 @@ def inspect_config(config: Any) -> VllmFacts:
     return facts
 
 
-def _resolve(config: Any, leaf: LeafSpec, path: tuple, reg: dict[str, Any],
+def _resolve(config: Any, leaf: Leaf, path: tuple, reg: dict[str, Any],
              supports_kw: Any) -> type:
     if leaf.module_path:
         try:
@@ -162,7 +161,7 @@ def _resolve(config: Any, leaf: LeafSpec, path: tuple, reg: dict[str, Any],
                            f"imported ({_one_line(exc)})") from None
 
 
-def _check_predicates(config: Any, route: RouteSpec) -> None:
+def _check_predicates(config: Any, route: Route) -> None:
     info = config.nodes.get(route.name)
     base = info.path if info else ()
     for index, rule in enumerate(route.rules):

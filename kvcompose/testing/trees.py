@@ -1,10 +1,10 @@
-"""Small builders for kvcompose trees in tests (canonical dict form, see ``kvcompose.spec``)."""
+"""Small builders for kvcompose trees in tests (canonical dict form, see ``kvcompose.tree``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvcompose.spec import TREE_KEY
+from kvcompose.tree import TREE_KEY
 
 
 def kvcompose_config(tree: dict[str, Any], *, strict: bool = False,

@@ -152,7 +152,7 @@ def test_pending_child_holds_first_until_it_answers(harness):
 def test_pending_child_past_the_deadline_counts_as_a_miss(harness):
     script("a", Behaviour(pending_lookups=10_000))
     script("b", Behaviour(tokens=32))
-    tree = chain("root", leaf("a"), leaf("b"), lookup_timeout_s=0.0)
+    tree = chain("root", leaf("a"), leaf("b"), lookup_timeout_s=1e-9)
     h = harness(kvcompose_config(tree))
     req = h.add_request(prompt(80))
     h.step()  # a answers None: pending, the clock starts
@@ -435,7 +435,7 @@ def test_two_levels_of_nesting(harness):
 def test_children_inherit_top_level_fields_and_may_set_their_own_engine_id(harness):
     script("a", Behaviour())
     script("b", Behaviour())
-    tree = chain("root", leaf("a", transfer_config={"engine_id": "engine-a"}), leaf("b"))
+    tree = chain("root", leaf("a", engine_id="engine-a"), leaf("b"))
     h = harness(kvcompose_config(tree, engine_id="top"), kv_load_failure_policy="recompute")
     a_cfg = h.connector.children[0].connector._kv_transfer_config
     b_cfg = h.connector.children[1].connector._kv_transfer_config

@@ -167,7 +167,7 @@ def test_vllm_args_json_round_trips(run_cli) -> None:
                                       check_vllm=False)
         # the same tree once the top-level fields are inherited from the vLLM config
         from kvcompose.config import child_transfer_config
-        from kvcompose.spec import leaves
+        from kvcompose.tree import leaves
 
         parent = {k: v for k, v in data.items() if k != "kv_connector_extra_config"}
         assert [child_transfer_config(parent, leaf) for leaf in leaves(tree)] == \

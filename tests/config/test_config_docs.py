@@ -5,14 +5,7 @@ from __future__ import annotations
 from config_helpers import ROOT
 
 from kvcompose.config.docs import render_markdown
-from kvcompose.config.schema import (
-    ChainModel,
-    Document,
-    FanoutModel,
-    LeafModel,
-    RouteModel,
-    RuleModel,
-)
+from kvcompose.tree import Chain, Document, Fanout, Leaf, Route, RouteRule
 
 
 def test_docs_config_md_is_up_to_date() -> None:
@@ -24,7 +17,7 @@ def test_docs_config_md_is_up_to_date() -> None:
 
 def test_every_field_is_documented() -> None:
     text = render_markdown()
-    for model in (Document, LeafModel, ChainModel, FanoutModel, RouteModel, RuleModel):
+    for model in (Document, Leaf, Chain, Fanout, Route, RouteRule):
         for name, info in model.model_fields.items():
             assert info.description, f"{model.__name__}.{name} has no description"
             assert f"| `{name}` |" in text

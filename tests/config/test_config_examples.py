@@ -9,7 +9,7 @@ import pytest
 from config_helpers import EXAMPLES, vllm_importable
 
 from kvcompose.config import load_config, tree_from_extra_config
-from kvcompose.spec import leaves, walk
+from kvcompose.tree import leaves, walk
 
 FILES = sorted(p for p in EXAMPLES.iterdir() if p.suffix in (".yaml", ".yml", ".json"))
 

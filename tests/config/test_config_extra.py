@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompose import spec as specs
+from kvcompose import tree as specs
 from kvcompose.config import (
     ConfigError,
     config_from_extra_config,
@@ -34,15 +34,15 @@ def tree_file(tmp_path: Path) -> str:
     return str(path)
 
 
-def leaf(tree: specs.NodeSpec, name: str) -> specs.LeafSpec:
+def leaf(tree: specs.Node, name: str) -> specs.Leaf:
     found = [n for _, n in specs.walk(tree) if n.name == name]
-    assert found and isinstance(found[0], specs.LeafSpec)
+    assert found and isinstance(found[0], specs.Leaf)
     return found[0]
 
 
 def test_internal_tree_key_form() -> None:
-    tree = specs.ChainSpec(name="c", children=(specs.LeafSpec(name="a", connector="X"),))
-    got = tree_from_extra_config({specs.TREE_KEY: specs.to_dict(tree), "strict": True},
+    tree = specs.Chain(name="c", children=(specs.Leaf(name="a", connector="X"),))
+    got = tree_from_extra_config({specs.TREE_KEY: specs.dump_node(tree), "strict": True},
                                  env={"KVCOMPOSE_SET": "a.save=false"})
     assert got == tree  # pre-validated: no checks, no overrides
 
@@ -74,15 +74,14 @@ def test_multiconnector_form() -> None:
         {"kv_connector": "MyConnector", "kv_connector_module_path": "my.mod",
          "kv_role": "kv_consumer", "kv_port": 5000},
     ]}, env={}, check_vllm=False)
-    assert tree == specs.ChainSpec(name="chain", policy="first", children=(
-        specs.LeafSpec(name="ExampleConnector", connector="ExampleConnector",
+    assert tree == specs.Chain(name="chain", policy="first", children=(
+        specs.Leaf(name="ExampleConnector", connector="ExampleConnector",
                        extra_config={"shared_storage_path": "/a"},
-                       transfer_config={"kv_role": "kv_both"}),
-        specs.LeafSpec(name="ExampleConnector-2", connector="ExampleConnector",
-                       transfer_config={"kv_role": "kv_both", "engine_id": "e2",
-                                        "kv_buffer_device": "cpu"}),
-        specs.LeafSpec(name="MyConnector", connector="MyConnector", module_path="my.mod",
-                       transfer_config={"kv_role": "kv_consumer", "kv_port": 5000}),
+                       kv_role="kv_both"),
+        specs.Leaf(name="ExampleConnector-2", connector="ExampleConnector",
+                       kv_role="kv_both", engine_id="e2", kv_buffer_device="cpu"),
+        specs.Leaf(name="MyConnector", connector="MyConnector", module_path="my.mod",
+                       kv_role="kv_consumer", kv_port=5000),
     ))
 
 
@@ -93,9 +92,9 @@ def test_multiconnector_form_nested() -> None:
          "kv_connector_extra_config": {"connectors": [
              {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}]}},
     ]}, env={}, check_vllm=False)
-    assert isinstance(tree, specs.ChainSpec)
+    assert isinstance(tree, specs.Chain)
     nested = tree.children[1]
-    assert isinstance(nested, specs.ChainSpec) and nested.name == "chain-2"
+    assert isinstance(nested, specs.Chain) and nested.name == "chain-2"
     assert nested.children[0].name == "ExampleConnector"
 
 
@@ -114,7 +113,7 @@ def test_multiconnector_nested_error_path() -> None:
 def test_env_config_file(tree_file: str) -> None:
     tree = tree_from_extra_config({"kv_role": "kv_consumer"},
                                   env={"KVCOMPOSE_CONFIG_FILE": tree_file}, check_vllm=False)
-    assert leaf(tree, "ram").transfer_config["kv_role"] == "kv_consumer"
+    assert leaf(tree, "ram").transfer_fields()["kv_role"] == "kv_consumer"
 
 
 def test_nothing_given() -> None:
@@ -147,13 +146,13 @@ def test_precedence_defaults_file_env_extra(tree_file: str) -> None:
     tree = tree_from_extra_config({"config": tree_file}, env=env, check_vllm=False)
     assert tree.policy == "first"  # environment beats the file
     assert leaf(tree, "ram").extra_config == {"shared_storage_path": "/env"}
-    assert leaf(tree, "ram").transfer_config["kv_role"] == "kv_producer"
+    assert leaf(tree, "ram").transfer_fields()["kv_role"] == "kv_producer"
     tree = tree_from_extra_config(
         {"config": tree_file, "kv_role": "kv_consumer",
          "set": {"tiers.policy": "longest", "disk.save": False}},
         env=env, check_vllm=False)
     assert tree.policy == "longest"  # extra-config keys beat the environment
-    assert leaf(tree, "ram").transfer_config["kv_role"] == "kv_consumer"
+    assert leaf(tree, "ram").transfer_fields()["kv_role"] == "kv_consumer"
     assert leaf(tree, "disk").save is False
     assert leaf(tree, "ram").extra_config == {"shared_storage_path": "/env"}
 
@@ -163,7 +162,7 @@ def test_env_beats_an_inline_document() -> None:
     tree = tree_from_extra_config(extra, env={"KVCOMPOSE_KV_ROLE": "kv_consumer",
                                               "KVCOMPOSE_SET": "a.save=false"},
                                   check_vllm=False)
-    assert tree.transfer_config == {"kv_role": "kv_consumer"} and tree.save is False
+    assert tree.transfer_fields() == {"kv_role": "kv_consumer"} and tree.save is False
     tree = tree_from_extra_config({**extra, "set": {"a.save": True}},
                                   env={"KVCOMPOSE_SET": "a.save=false"}, check_vllm=False)
     assert tree.save is True

@@ -10,9 +10,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcompose import spec as specs
+from kvcompose import tree as specs
 from kvcompose.config import ConfigError, effective_saves, load_config, load_tree
-from kvcompose.config.render import document_from_tree
+from kvcompose.config.document import document_from_tree
 
 TIERS = """\
 version: 1
@@ -44,15 +44,15 @@ def write(tmp_path: Path, text: str, name: str = "tree.yaml") -> str:
 
 def test_yaml_file_becomes_spec(tmp_path: Path) -> None:
     tree = load_tree(write(tmp_path, TIERS), env={}, check_vllm=False)
-    assert tree == specs.ChainSpec(
+    assert tree == specs.Chain(
         name="tiers", policy="longest", lookup_timeout_s=5.0,
         children=(
-            specs.LeafSpec(name="ram", connector="ExampleConnector",
+            specs.Leaf(name="ram", connector="ExampleConnector",
                            extra_config={"shared_storage_path": "/dev/shm/kv"},
-                           transfer_config={"kv_role": "kv_both", "kv_buffer_device": "cpu"}),
-            specs.LeafSpec(name="disk", connector="ExampleConnector",
+                           kv_role="kv_both", kv_buffer_device="cpu"),
+            specs.Leaf(name="disk", connector="ExampleConnector",
                            extra_config={"shared_storage_path": "/var/kv"},
-                           transfer_config={"kv_role": "kv_both", "kv_buffer_device": "cuda"},
+                           kv_role="kv_both", kv_buffer_device="cuda",
                            save=False, on_error="fail"),
         ))
 
@@ -75,7 +75,7 @@ def test_path_objects(tmp_path: Path) -> None:
 
 def test_bare_node_is_a_tree() -> None:
     tree = load_tree({"leaf": {"connector": "ExampleConnector"}}, env={}, check_vllm=False)
-    assert tree == specs.LeafSpec(name="ExampleConnector", connector="ExampleConnector")
+    assert tree == specs.Leaf(name="ExampleConnector", connector="ExampleConnector")
 
 
 def test_default_names_are_unique_and_skip_explicit_ones() -> None:
@@ -103,14 +103,15 @@ def test_route_and_fanout_fields() -> None:
                 {"leaf": {"name": "a", "connector": "ExampleConnector"}},
                 {"leaf": {"name": "b", "connector": "ExampleConnector"}}]}}]}}},
         env={}, check_vllm=False)
-    assert isinstance(tree, specs.RouteSpec)
+    assert isinstance(tree, specs.Route)
     assert tree.rules[0] == specs.RouteRule(child="nixl", param="do_remote_prefill",
-                                            equals=None, has_equals=True)
+                                            equals=None)
+    assert tree.rules[0].has_equals
     assert tree.rules[1].has_equals is False
     assert tree.rules[2] == specs.RouteRule(child="cache", min_prompt_tokens=10,
                                             max_prompt_tokens=20, predicate="pkg.mod:fn")
     fanout = tree.children[1]
-    assert isinstance(fanout, specs.FanoutSpec) and fanout.load_from == "a"
+    assert isinstance(fanout, specs.Fanout) and fanout.load_from == "a"
 
 
 def test_top_level_fields_are_inherited_and_leaf_fields_win() -> None:
@@ -123,9 +124,9 @@ def test_top_level_fields_are_inherited_and_leaf_fields_win() -> None:
                       "engine_id": "pd-1", "transfer_config": {"future_field": 2}}}]}}},
         env={}, check_vllm=False)
     a, b = config.tree.children
-    assert a.transfer_config == {"kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+    assert a.transfer_fields() == {"kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                                  "future_field": 1}
-    assert b.transfer_config == {"kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+    assert b.transfer_fields() == {"kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
                                  "future_field": 2, "engine_id": "pd-1"}
     assert config.transfer == {"kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                                "future_field": 1}
@@ -208,7 +209,7 @@ SCALARS = st.one_of(st.integers(-5, 5), st.booleans(), st.text("abc/", max_size=
 
 
 @st.composite
-def trees(draw: st.DrawFn, depth: int = 0) -> specs.NodeSpec:
+def trees(draw: st.DrawFn, depth: int = 0) -> specs.Node:
     names: set[str] = draw(st.shared(st.builds(set), key="names"))  # one set per example
 
     def fresh() -> str:
@@ -218,44 +219,44 @@ def trees(draw: st.DrawFn, depth: int = 0) -> specs.NodeSpec:
 
     common = {"save": draw(st.booleans()), "on_error": draw(st.sampled_from(["miss", "fail"]))}
     if depth >= 2 or draw(st.booleans()):
-        transfer = draw(st.dictionaries(
-            st.sampled_from(["kv_role", "engine_id", "future"]),
-            st.sampled_from(["kv_both", "kv_producer"]), max_size=2))
-        return specs.LeafSpec(
+        fields = draw(st.dictionaries(st.sampled_from(["kv_role", "engine_id"]),
+                                      st.sampled_from(["kv_both", "kv_producer"]), max_size=2))
+        future = draw(st.dictionaries(st.just("future"), st.integers(0, 3), max_size=1))
+        return specs.Leaf(
             name=fresh(),
             connector=draw(st.sampled_from(["ExampleConnector", "OffloadingConnector"])),
             module_path=draw(st.one_of(st.none(), st.just("my.mod"))),
             extra_config=draw(st.dictionaries(st.text("xyz", min_size=1, max_size=3), SCALARS,
                                               max_size=2)),
-            transfer_config=transfer, **common)
+            **({"transfer_config": future} if future else {}), **fields, **common)
     name = fresh()
     children = tuple(draw(st.lists(trees(depth + 1), min_size=1, max_size=3)))
     child_names = [c.name for c in children]
     timeout = draw(st.floats(0.5, 100))
     kind = draw(st.sampled_from(["chain", "fanout", "route"]))
     if kind == "chain":
-        return specs.ChainSpec(name=name, children=children, lookup_timeout_s=timeout,
+        return specs.Chain(name=name, children=children, lookup_timeout_s=timeout,
                                policy=draw(st.sampled_from(["first", "longest"])), **common)
     if kind == "fanout":
-        return specs.FanoutSpec(name=name, children=children, lookup_timeout_s=timeout,
+        return specs.Fanout(name=name, children=children, lookup_timeout_s=timeout,
                                 load_from=draw(st.one_of(st.none(), st.sampled_from(child_names))),
                                 **common)
     rules = tuple(specs.RouteRule(child=draw(st.sampled_from(child_names)),
                                   param=draw(st.sampled_from(["p", "q"])),
-                                  equals=draw(SCALARS), has_equals=draw(st.booleans()))
+                                  **({"equals": draw(SCALARS)} if draw(st.booleans()) else {}))
                   for _ in range(draw(st.integers(0, 2))))
-    rules = tuple(r if r.has_equals else specs.RouteRule(child=r.child, param=r.param)
-                  for r in rules)
-    return specs.RouteSpec(name=name, children=children, lookup_timeout_s=timeout,
+    return specs.Route(name=name, children=children, lookup_timeout_s=timeout,
                            default=draw(st.sampled_from(child_names)), rules=rules, **common)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trees())
-def test_spec_document_spec_round_trip(tree: specs.NodeSpec) -> None:
+def test_spec_document_spec_round_trip(tree: specs.Node) -> None:
+    canonical = specs.dump_node(tree)  # compared as dumps: they tell a set ``equals: null``
     document = document_from_tree(tree)
-    assert load_tree(document, env={}, check_vllm=False) == tree
+    assert specs.dump_node(load_tree(document, env={}, check_vllm=False)) == canonical
     # and through YAML text
-    assert load_tree(yaml.safe_load(yaml.safe_dump(document)), env={}, check_vllm=False) == tree
+    again = load_tree(yaml.safe_load(yaml.safe_dump(document)), env={}, check_vllm=False)
+    assert specs.dump_node(again) == canonical
     # and the canonical dict form the composite hands down
-    assert specs.from_dict(specs.to_dict(tree)) == tree
+    assert specs.dump_node(specs.parse_node(canonical)) == canonical

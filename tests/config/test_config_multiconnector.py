@@ -28,7 +28,7 @@ def test_multiconnector_json_loads_as_first_chain() -> None:
     assert config.tree.kind == "chain" and config.tree.policy == "first"
     assert [c.name for c in config.tree.children] == ["NixlConnector", "ExampleConnector"]
     # leaves now inherit kv_buffer_device (upstream children do not)
-    assert config.tree.children[0].transfer_config == {"kv_buffer_device": "cpu",
+    assert config.tree.children[0].transfer_fields() == {"kv_buffer_device": "cpu",
                                                        "kv_role": "kv_both"}
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 from config_helpers import needs_vllm
+from pydantic import ValidationError
 
 from kvcompose.config import child_transfer_config, load_tree
-from kvcompose.spec import LeafSpec
+from kvcompose.tree import Leaf
 
 PARENT = {
     "kv_connector": "KVCompose", "kv_connector_module_path": "kvcompose",
@@ -17,7 +18,7 @@ PARENT = {
 
 
 def test_inherits_everything_but_the_connector_identity() -> None:
-    leaf = LeafSpec(name="disk", connector="ExampleConnector",
+    leaf = Leaf(name="disk", connector="ExampleConnector",
                     extra_config={"shared_storage_path": "/kv"})
     assert child_transfer_config(PARENT, leaf) == {
         "engine_id": "engine-0", "kv_role": "kv_both", "kv_buffer_device": "cpu",
@@ -29,9 +30,8 @@ def test_inherits_everything_but_the_connector_identity() -> None:
 
 
 def test_leaf_fields_override() -> None:
-    leaf = LeafSpec(name="nixl", connector="NixlConnector", module_path="my.nixl",
-                    transfer_config={"kv_role": "kv_consumer", "engine_id": "pd-7",
-                                     "new_field": 3})
+    leaf = Leaf(name="nixl", connector="NixlConnector", module_path="my.nixl",
+                    kv_role="kv_consumer", engine_id="pd-7", transfer_config={"new_field": 3})
     out = child_transfer_config(PARENT, leaf)
     assert out["kv_role"] == "kv_consumer"
     assert out["engine_id"] == "pd-7"
@@ -41,27 +41,26 @@ def test_leaf_fields_override() -> None:
 
 
 def test_unset_parent_fields_are_not_inherited() -> None:
-    leaf = LeafSpec(name="a", connector="ExampleConnector")
+    leaf = Leaf(name="a", connector="ExampleConnector")
     out = child_transfer_config({"kv_role": "kv_both", "engine_id": None}, leaf)
     assert "engine_id" not in out
 
 
 def test_leaf_cannot_smuggle_identity_fields() -> None:
-    leaf = LeafSpec(name="a", connector="ExampleConnector",
-                    transfer_config={"kv_connector": "Other"})
-    assert child_transfer_config(PARENT, leaf)["kv_connector"] == "ExampleConnector"
+    with pytest.raises(ValidationError, match="use the leaf's 'connector'"):
+        Leaf(name="a", connector="ExampleConnector", transfer_config={"kv_connector": "Other"})
 
 
 def test_extra_config_is_a_copy() -> None:
     extra = {"x": 1}
-    out = child_transfer_config(PARENT, LeafSpec(name="a", connector="A", extra_config=extra))
+    out = child_transfer_config(PARENT, Leaf(name="a", connector="A", extra_config=extra))
     out["kv_connector_extra_config"]["x"] = 2
     assert extra == {"x": 1}
 
 
 def test_rejects_other_types() -> None:
     with pytest.raises(TypeError):
-        child_transfer_config(42, LeafSpec(name="a", connector="A"))  # type: ignore[arg-type]
+        child_transfer_config(42, Leaf(name="a", connector="A"))  # type: ignore[arg-type]
 
 
 @needs_vllm

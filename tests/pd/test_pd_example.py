@@ -15,7 +15,7 @@ import pytest
 
 from kvcompose.config import load_config, vllm_available
 from kvcompose.config.render import vllm_args
-from kvcompose.spec import leaves
+from kvcompose.tree import leaves
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pd"
 

@@ -151,7 +151,7 @@ class Gen:
     """What the behaviour generator may draw in one example."""
 
     breakers: bool  # contract breakers allowed (violations expected, no crash)
-    deadline_zero: bool  # node lookup deadline 0 s: a second None is a miss
+    deadline_zero: bool  # node lookup deadline ~0 s (1 ns): a second None is a miss
     policy: str  # kv_load_failure_policy
 
 
@@ -296,7 +296,7 @@ class KVComposeMachine(RuleBasedStateMachine):
         self.gen = Gen(breakers=breakers, deadline_zero=deadline_zero, policy=policy)
         self.scripts = {name: script(script_name(name)) for name in self.shape.leaves}
         self.cursor = dict.fromkeys(self.shape.leaves, 0)
-        tree = self.shape.build(0.0 if deadline_zero else 3600.0)
+        tree = self.shape.build(1e-9 if deadline_zero else 3600.0)
         self.h = SchedulerHarness(
             self.model_dir, kvcompose_config(tree), block_size=BLOCK, num_blocks=num_blocks,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,

@@ -1,4 +1,4 @@
-"""Per-child ``KVTransferConfig`` dicts: what a leaf inherits from the composite's config.
+"""Per-child ``KVTransferConfig`` dicts: what a leaf inherits from its parent's config.
 
 Upstream MultiConnector hands each child only what the child's dict says (plus the engine
 id), so ``kv_buffer_device``, ``kv_load_failure_policy``, ... silently fall back to vLLM's
@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from kvcompose.config.schema import OWN_FIELDS
-from kvcompose.spec import LeafSpec
+from kvcompose.tree.fields import OWN_FIELDS
+from kvcompose.tree.model import Leaf
 
 
 def transfer_dict(config: Any) -> dict[str, Any]:
@@ -25,19 +25,18 @@ def transfer_dict(config: Any) -> dict[str, Any]:
     raise TypeError(f"expected a mapping or a KVTransferConfig, got {type(config).__name__}")
 
 
-def child_transfer_config(parent: Mapping[str, Any] | Any, leaf: LeafSpec) -> dict[str, Any]:
-    """The keyword arguments for the child's ``KVTransferConfig(**d)``.
+def inherited_fields(parent: Mapping[str, Any] | Any) -> dict[str, Any]:
+    """Every field the parent sets (``None`` counts as unset) except the connector's own."""
+    return {key: value for key, value in transfer_dict(parent).items()
+            if key not in OWN_FIELDS and value is not None and not key.startswith("_")}
 
-    Every field the parent sets (``None`` counts as unset) except ``kv_connector``,
-    ``kv_connector_module_path`` and ``kv_connector_extra_config``; then the leaf's
-    ``transfer_config`` on top; then the leaf's connector, module path and extra config.
-    """
-    parent = transfer_dict(parent)
-    out = {key: value for key, value in parent.items()
-           if key not in OWN_FIELDS and value is not None and not key.startswith("_")}
-    for key, value in leaf.transfer_config.items():
-        if key not in OWN_FIELDS:
-            out[key] = value
+
+def child_transfer_config(parent: Mapping[str, Any] | Any, leaf: Leaf) -> dict[str, Any]:
+    """The keyword arguments for the leaf's ``KVTransferConfig(**d)``: the parent's
+    inherited fields, the leaf's own fields on top, then its connector, module path and
+    extra config."""
+    out = inherited_fields(parent)
+    out.update(leaf.transfer_fields())
     out["kv_connector"] = leaf.connector
     out["kv_connector_module_path"] = leaf.module_path
     out["kv_connector_extra_config"] = dict(leaf.extra_config)

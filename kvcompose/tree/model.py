@@ -1,0 +1,356 @@
+"""The one tree model: a kvcompose tree as frozen pydantic models.
+
+A tree is made of four node kinds. ``Leaf`` names one vLLM connector; ``Chain``, ``Fanout``
+and ``Route`` hold children and differ only in *who is asked to look up and load* (their
+lookup policy). Who *saves* is the same rule everywhere: every child whose ``save`` is true.
+
+The same models read the user's documents (through ``kvcompose.config``, which adds file
+names, line numbers and cross-checks), are what the composite runs, and are what a composite
+hands a nested composite through vLLM's ``kv_connector_extra_config`` (``TREE_KEY``). A node
+is accepted in two spellings:
+
+- the document form, one key naming the kind: ``{"leaf": {"connector": ...}}``;
+- the canonical form, a ``kind`` key: ``{"kind": "leaf", "connector": ...}``, which is what
+  ``dump_node`` writes.
+
+Names are optional in a document (``kvcompose.config`` fills them in); the runtime only sees
+named trees. Nothing here imports vLLM or YAML.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
+
+from kvcompose.tree.fields import (
+    DEFAULT_LOOKUP_TIMEOUT_S,
+    NAME_PATTERN,
+    TRANSFER_FIELDS,
+    BufferDeviceField,
+    EngineIdField,
+    FailurePolicyField,
+    KvRoleField,
+    LookupTimeoutField,
+    OnErrorField,
+    PermuteField,
+    PortField,
+    SaveField,
+    TransferConfigField,
+    custom_error,
+    describe,
+)
+
+#: Key under which a composite passes a validated subtree to a nested composite.
+TREE_KEY = "kvcompose_tree"
+
+NODE_KINDS: tuple[str, ...] = ("leaf", "chain", "fanout", "route")
+
+#: The custom error type of a mapping that is no node of any kind (see ``_kind_of``).
+NODE_KIND_ERROR = "kvcompose_node"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class _Node(_Model):
+    """What every node shares: reading the document form, and ``kind`` in every dump."""
+
+    kind: ClassVar[str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _document_form(cls, value: Any) -> Any:
+        """``{"leaf": {...}}`` -> the body; the tag has already chosen the model."""
+        if isinstance(value, dict) and len(value) == 1 and cls.kind in value:
+            body = value[cls.kind]
+            if not isinstance(body, dict):
+                raise custom_error(f"expected a mapping, got {describe(body)}")
+            return body
+        if isinstance(value, dict) and value.get("kind") == cls.kind:
+            return {k: v for k, v in value.items() if k != "kind"}
+        return value
+
+    @property
+    def composite(self) -> bool:
+        return self.kind != "leaf"
+
+
+NodeName = Annotated[str | None, Field(
+    pattern=NAME_PATTERN,
+    description="Unique node name (default: the connector name for a leaf, the kind for a "
+    "composite, made unique with `-2`, `-3`, ...). Used in stats, logs, route rules and "
+    "overrides.")]
+
+
+class Leaf(_Node):
+    """One vLLM connector.
+
+    ``connector`` is a registered vLLM connector name (``ExampleConnector``,
+    ``NixlConnector``, ...) or a class name found in ``module_path``. The ``KVTransferConfig``
+    fields it sets (``kv_role``, ``engine_id``, ..., and any other under ``transfer_config``)
+    override what it inherits from its parent's config.
+    """
+
+    kind: ClassVar[str] = "leaf"
+
+    name: NodeName = None
+    connector: str = Field(
+        ..., min_length=1,
+        description="A registered vLLM connector name (`ExampleConnector`, `NixlConnector`, "
+        "`OffloadingConnector`, ...) or, with `module_path`, a class name in that module.")
+    module_path: str | None = Field(
+        None, min_length=1,
+        description="Python module to import the connector class from "
+        "(vLLM's `kv_connector_module_path`).")
+    kv_role: KvRoleField = None
+    engine_id: EngineIdField = None
+    kv_buffer_device: BufferDeviceField = None
+    kv_port: PortField = None
+    enable_permute_local_kv: PermuteField = None
+    kv_load_failure_policy: FailurePolicyField = None
+    transfer_config: TransferConfigField = Field(default_factory=dict)
+    extra_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The connector's own `kv_connector_extra_config`, passed as is.")
+    save: SaveField = True
+    on_error: OnErrorField = "miss"
+    params_keys: list[str] | None = Field(
+        None, description="The `kv_transfer_params` keys this connector produces when a "
+        "request finishes. Known P/D connectors (NIXL, Mooncake, MoRIIO) need nothing here; "
+        "set `[]` to declare that a connector produces none. Only used for the clash check.")
+
+    def transfer_fields(self) -> dict[str, Any]:
+        """The ``KVTransferConfig`` fields this leaf sets itself."""
+        out = {key: getattr(self, key) for key in TRANSFER_FIELDS
+               if getattr(self, key) is not None}
+        out.update(self.transfer_config)
+        return out
+
+
+Children = Annotated[tuple["Node", ...], Field(
+    strict=False, description="The child nodes, in order.", json_schema_extra={"minItems": 1})]
+
+
+def _not_empty(value: Any) -> Any:
+    if isinstance(value, (list, tuple)) and not value:
+        raise custom_error("is empty: a composite needs at least one child")
+    return value
+
+
+class Chain(_Node):
+    """Ordered lookup. ``first``: the first child (in order) with a hit owns the load.
+    ``longest``: the child with the most tokens owns it; ties go to the earlier child."""
+
+    kind: ClassVar[str] = "chain"
+
+    name: NodeName = None
+    policy: Literal["first", "longest"] = Field(
+        "first", description="`first`: the first child in order with a hit loads it. "
+        "`longest`: the child with the longest hit loads it (ties go to the earlier child).")
+    lookup_timeout_s: LookupTimeoutField = DEFAULT_LOOKUP_TIMEOUT_S
+    save: SaveField = True
+    on_error: OnErrorField = "miss"
+    children: Children
+
+    _children_not_empty = field_validator("children", mode="before")(_not_empty)
+
+
+class Fanout(_Node):
+    """Saves to every child; loads from none (``load_from`` null) or from one named child."""
+
+    kind: ClassVar[str] = "fanout"
+
+    name: NodeName = None
+    load_from: str | None = Field(
+        None, description="Name of the child that lookups and loads go to; null: never load.")
+    lookup_timeout_s: LookupTimeoutField = DEFAULT_LOOKUP_TIMEOUT_S
+    save: SaveField = True
+    on_error: OnErrorField = "miss"
+    children: Children
+
+    _children_not_empty = field_validator("children", mode="before")(_not_empty)
+
+
+class RouteRule(_Model):
+    """Sends a request's lookup to ``child`` when every condition given here holds.
+
+    - ``param``: a key of the request's ``kv_transfer_params`` must be present
+      (and equal ``equals`` when that is given, ``null`` included);
+    - ``min_prompt_tokens`` / ``max_prompt_tokens``: inclusive bounds on the prompt length;
+    - ``predicate``: ``"package.module:function"``, called as ``function(request) -> bool``.
+    """
+
+    param: str | None = Field(
+        None, description="A key that must be present in the request's `kv_transfer_params`.")
+    equals: Any = Field(
+        None, description="With `param`: the value that key must have (any JSON value).")
+    min_prompt_tokens: int | None = Field(
+        None, ge=0, description="The prompt must have at least this many tokens.")
+    max_prompt_tokens: int | None = Field(
+        None, ge=0, description="The prompt must have at most this many tokens.")
+    predicate: str | None = Field(
+        None, description="`package.module:function`, called as `function(request) -> bool`.")
+    child: str = Field(..., description="Name of the child that handles matching requests.")
+
+    @property
+    def has_equals(self) -> bool:
+        return "equals" in self.model_fields_set
+
+    @model_validator(mode="after")
+    def _conditions(self) -> RouteRule:
+        if self.has_equals and self.param is None:
+            raise custom_error("'equals' needs 'param' (the kv_transfer_params key to compare)")
+        if (self.param is None and self.min_prompt_tokens is None
+                and self.max_prompt_tokens is None and self.predicate is None):
+            raise custom_error("a rule needs a condition (param, min_prompt_tokens, "
+                               "max_prompt_tokens or predicate); use the route's 'default' for "
+                               "the catch-all child")
+        if (self.min_prompt_tokens is not None and self.max_prompt_tokens is not None
+                and self.min_prompt_tokens > self.max_prompt_tokens):
+            raise custom_error(f"min_prompt_tokens ({self.min_prompt_tokens}) is greater than "
+                               f"max_prompt_tokens ({self.max_prompt_tokens})")
+        if self.predicate is not None:
+            module, _, attr = self.predicate.partition(":")
+            if not module or not attr or not all(
+                    part.isidentifier() for part in module.split(".") + attr.split(".")):
+                raise custom_error(f"predicate {self.predicate!r} is not of the form "
+                                   "'package.module:function'")
+        return self
+
+
+class Route(_Node):
+    """Per request, exactly one child (the first rule that matches, else ``default``)
+    handles lookups and loads. Saves follow the usual save rule."""
+
+    kind: ClassVar[str] = "route"
+
+    name: NodeName = None
+    default: str = Field(..., description="Name of the child used when no rule matches.")
+    rules: tuple[RouteRule, ...] = Field(
+        (), strict=False, description="Rules, tried in order; the first match wins.")
+    lookup_timeout_s: LookupTimeoutField = DEFAULT_LOOKUP_TIMEOUT_S
+    save: SaveField = True
+    on_error: OnErrorField = "miss"
+    children: Children
+
+    _children_not_empty = field_validator("children", mode="before")(_not_empty)
+
+
+def _kind_of(value: Any) -> str | None:
+    """The node kind of ``value`` in either spelling; None makes pydantic report a
+    ``NODE_KIND_ERROR`` at the node, which ``kvcompose.config`` turns into messages."""
+    if isinstance(value, dict):
+        if "kind" in value:
+            kind = value["kind"]
+            return kind if kind in NODE_KINDS else None
+        return next(iter(value)) if len(value) == 1 and next(iter(value)) in NODE_KINDS else None
+    kind = getattr(value, "kind", None)
+    return kind if isinstance(value, _Node) else None
+
+
+def _node_shape(value: Any) -> Any:
+    """Clear messages for the mistakes a node's shape invites, before the kind is chosen."""
+    if not isinstance(value, dict) or "kind" in value:
+        return value
+    kinds = [k for k in NODE_KINDS if k in value]
+    if len(kinds) > 1:
+        raise custom_error(f"a node has exactly one kind, got {' and '.join(kinds)}: "
+                           "put the others under 'children'")
+    if kinds and value[kinds[0]] is None:
+        raise custom_error(f"'{kinds[0]}' is empty")
+    if not kinds:
+        if "connector" in value:
+            raise custom_error("a node needs its kind: write 'leaf: {connector: ...}'")
+        if "children" in value:
+            raise custom_error("a node needs its kind: write 'chain:', 'fanout:' or 'route:' "
+                               "above 'children'")
+        if not value:
+            raise custom_error("empty node: expected one of leaf, chain, fanout, route")
+    return value
+
+
+class _DocumentFormSchema:
+    """The JSON Schema of a node in the document form: one key, the kind, holding the
+    body (the canonical ``kind`` form is for kvcompose itself and not advertised)."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        bodies = handler(core_schema)["oneOf"]
+        return {"oneOf": [{"type": "object", "properties": {kind: body}, "required": [kind],
+                           "additionalProperties": False}
+                          for kind, body in zip(NODE_KINDS, bodies, strict=True)],
+                "description": "A node: a mapping with exactly one of `leaf`, `chain`, "
+                               "`fanout`, `route`."}
+
+
+Node = Annotated[
+    Annotated[Leaf, Tag("leaf")] | Annotated[Chain, Tag("chain")]
+    | Annotated[Fanout, Tag("fanout")] | Annotated[Route, Tag("route")],
+    Discriminator(_kind_of, custom_error_type=NODE_KIND_ERROR,
+                  custom_error_message="expected one of leaf, chain, fanout, route"),
+    BeforeValidator(_node_shape),
+    _DocumentFormSchema(),
+]
+Composite = Chain | Fanout | Route
+
+for _model in (Chain, Fanout, Route):
+    _model.model_rebuild()
+
+_NODE = TypeAdapter(Node)
+
+
+def parse_node(data: Any) -> Leaf | Chain | Fanout | Route:
+    """A node from either spelling; raises pydantic's ``ValidationError``."""
+    return _NODE.validate_python(data)
+
+
+def dump_node(node: Leaf | Chain | Fanout | Route) -> dict[str, Any]:
+    """The canonical, JSON-able form of a tree (``kind`` keys, only what was set), which
+    ``parse_node`` reads back to an equal tree."""
+    data = node.model_dump(mode="json", exclude_unset=True)
+    out: dict[str, Any] = {"kind": node.kind}
+    out.update(data)
+    if node.composite:
+        out["children"] = [dump_node(child) for child in node.children]  # type: ignore[union-attr]
+    return out
+
+
+def walk(node: Leaf | Chain | Fanout | Route, depth: int = 0
+         ) -> Iterator[tuple[int, Leaf | Chain | Fanout | Route]]:
+    """Depth-first, parents before children."""
+    yield depth, node
+    if node.composite:
+        for child in node.children:  # type: ignore[union-attr]
+            yield from walk(child, depth + 1)
+
+
+def leaves(node: Leaf | Chain | Fanout | Route) -> list[Leaf]:
+    return [n for _, n in walk(node) if isinstance(n, Leaf)]
+
+
+def effective_saves(tree: Leaf | Chain | Fanout | Route) -> list[tuple[Leaf, bool]]:
+    """Every leaf with whether it really saves (its flag and every ancestor's)."""
+    out: list[tuple[Leaf, bool]] = []
+
+    def visit(node: Leaf | Chain | Fanout | Route, parent_saves: bool) -> None:
+        saves = parent_saves and node.save
+        if isinstance(node, Leaf):
+            out.append((node, saves))
+        else:
+            for child in node.children:
+                visit(child, saves)
+
+    visit(tree, True)
+    return out
