@@ -1,6 +1,9 @@
-"""KV stores usable as (child) vLLM KV connectors."""
+"""KV stores usable as (child) vLLM KV connectors.
 
-from kvcompose.stores.prefix_store import (
+Configs name ``PrefixStoreConnector`` with ``module_path: kvcompose.stores``.
+"""
+
+from kvcompose.stores.prefix import (
     PrefixStoreConfig,
     PrefixStoreConnector,
     PrefixStoreStats,

@@ -1,6 +1,6 @@
 """Load-failure fallback on a real engine: the owner's async load fails for a chosen request
-(PrefixStoreConnector's fault injection), vLLM (kv_load_failure_policy=recompute) looks the
-request up again, kvcompose skips the failed child and the next child serves it."""
+(kvcompose.testing.faulty_store's fault injection), vLLM (kv_load_failure_policy=recompute)
+looks the request up again, kvcompose skips the failed child and the next child serves it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvcompose.introspect import node_stats, scheduler_connector
+from kvcompose.testing import faulty_store
 from kvcompose.testing.engine import make_llm, sampling_params
 from kvcompose.testing.trees import chain, kvcompose_config, prefix_store_leaf
 
@@ -40,7 +41,9 @@ def test_failed_owner_is_skipped_and_the_next_child_serves(tiny_model, tmp_path)
     with make_llm(tiny_model, fill, **kw) as llm:
         run(llm, requests, 1)
     tree = kvcompose_config(
-        chain("tiers", prefix_store_leaf("a", a, load_mode="async", fail_load_request_ids=["r0"]),
+        chain("tiers", prefix_store_leaf("a", a, load_mode="async", fail_load_request_ids=["r0"],
+                                         fields={"connector": faulty_store.CONNECTOR,
+                                                 "module_path": faulty_store.MODULE_PATH}),
               prefix_store_leaf("b", b), policy="first"),
         kv_load_failure_policy="recompute")
     with make_llm(tiny_model, tree, **kw) as llm:

@@ -18,6 +18,7 @@ import pytest
 from prefix_store_helpers import delta, ids, run, statuses, store_engine, worker_stats
 
 from kvcompose.stores import store_usage
+from kvcompose.testing import faulty_store
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -25,6 +26,11 @@ CHUNK = 32
 _rng = random.Random(1234)
 PROMPT_A = [_rng.randrange(4, 1024) for _ in range(200)]
 PROMPT_B = PROMPT_A[: 3 * CHUNK] + [_rng.randrange(4, 1024) for _ in range(54)]
+#: The store with fault injection (``fail_load_request_ids``), a test double.
+FAULTY = {
+    "kv_connector": faulty_store.CONNECTOR,
+    "kv_connector_module_path": faulty_store.MODULE_PATH,
+}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +93,11 @@ def test_sync_reload_local_plus_store_fault_and_corruption(
     shutil.copytree(populated_store["path"], store)
     cfg = {"path": str(store), "fail_load_request_ids": ["fail-sync"]}
     with store_engine(
-        tiny_model_dir, cfg, enable_prefix_caching=True, kv_load_failure_policy="recompute"
+        tiny_model_dir,
+        cfg,
+        enable_prefix_caching=True,
+        kv_load_failure_policy="recompute",
+        **FAULTY,
     ) as llm:
         # (1) A fresh engine loads A's 6 stored chunks and generates the same tokens.
         out = run(llm, [("a", PROMPT_A)])["a"]
@@ -135,7 +145,7 @@ def test_async_load_and_async_fault(populated_store, reference, tiny_model_dir, 
         for rid, status in statuses(llm).items():
             seen.setdefault(rid, set()).add(status)
 
-    with store_engine(tiny_model_dir, cfg, kv_load_failure_policy="recompute") as llm:
+    with store_engine(tiny_model_dir, cfg, kv_load_failure_policy="recompute", **FAULTY) as llm:
         # (4) The request waits in WAITING_FOR_REMOTE_KVS while the worker loads, and
         # the output is identical.
         out = run(llm, [("a", PROMPT_A)], on_step=watch)["a"]

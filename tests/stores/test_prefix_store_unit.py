@@ -12,15 +12,18 @@ import pytest
 import torch
 
 from kvcompose.stores import PrefixStoreConfig, PrefixStoreStats, chunk_keys, store_usage
-from kvcompose.stores.prefix_store import (
+from kvcompose.stores.prefix import (
+    ChunkLoad,
     LoadSpec,
     PrefixStoreConnector,
     PrefixStoreMetadata,
-    _request_id_matches,
+    SaveSpec,
     chunk_file_name,
-    cpu_tiles_to_kv,
     lookup_limit_chunks,
 )
+from kvcompose.testing import faulty_store
+from kvcompose.testing.cpu_tiles import cpu_tiles_to_kv
+from kvcompose.testing.faulty_store import FaultyPrefixStoreConfig, request_id_matches
 
 BS = 32
 
@@ -60,11 +63,11 @@ def test_lookup_never_counts_the_last_token():
 
 
 def test_request_id_matching():
-    assert _request_id_matches("fail", ["fail"])
-    assert _request_id_matches("fail-1a2b3c4d", ["fail"])  # vLLM's random suffix
-    assert not _request_id_matches("fail-sync-1a2b3c4d", ["fail"])
-    assert not _request_id_matches("10-1a2b3c4d", ["1"])
-    assert not _request_id_matches("x", [])
+    assert request_id_matches("fail", ["fail"])
+    assert request_id_matches("fail-1a2b3c4d", ["fail"])  # vLLM's random suffix
+    assert not request_id_matches("fail-sync-1a2b3c4d", ["fail"])
+    assert not request_id_matches("10-1a2b3c4d", ["1"])
+    assert not request_id_matches("x", [])
 
 
 def test_store_usage(tmp_path):
@@ -85,26 +88,43 @@ def test_config_parsing(tmp_path):
     )
     cfg = PrefixStoreConfig.from_extra_config(
         {
-            "path": str(tmp_path),
+            "path": tmp_path,  # a path object is accepted too
             "load_mode": "async",
             "chunk_blocks": 2,
             "max_chunks": 5,
             "read_only": True,
-            "fail_load_request_ids": ["a"],
+            "namespace": None,
         }
     )
-    assert cfg.fail_load_request_ids == ("a",) and cfg.chunk_blocks == 2
-    for bad in (
-        {},
-        {"path": str(tmp_path), "load_mode": "lazy"},
-        {"path": str(tmp_path), "chunk_blocks": 0},
-        {"path": str(tmp_path), "max_chunks": 0},
-        {"path": str(tmp_path), "read_only": "yes"},
-        {"path": str(tmp_path), "fail_load_request_ids": "a"},
-        {"path": str(tmp_path), "shared_storage_path": "/tmp"},
+    assert cfg.path == str(tmp_path) and cfg.chunk_blocks == 2 and cfg.max_chunks == 5
+    # One line naming the key, as an engine's start-up failure shows it.
+    p = str(tmp_path)
+    for bad, message in (
+        ({}, "kv_connector_extra_config.path is required"),
+        ({"path": ""}, "kv_connector_extra_config.path is required"),
+        ({"path": p, "load_mode": "lazy"}, "load_mode must be 'sync' or 'async', got 'lazy'"),
+        ({"path": p, "chunk_blocks": 0}, "chunk_blocks must be an int >= 1, got 0"),
+        ({"path": p, "chunk_blocks": True}, "chunk_blocks must be an int >= 1, got True"),
+        ({"path": p, "max_chunks": 0}, "max_chunks must be an int >= 1, got 0"),
+        ({"path": p, "read_only": "yes"}, "read_only must be a bool, got 'yes'"),
+        ({"path": p, "namespace": 3}, "namespace must be a string, got 3"),
+        ({"path": p, "shared_storage_path": "/tmp"}, "unknown kv_connector_extra_config keys"),
+        # Fault injection is test-only: the error says where it went.
+        ({"path": p, "fail_load_request_ids": ["a"]}, faulty_store.MODULE_PATH),
     ):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError) as info:
             PrefixStoreConfig.from_extra_config(bad)
+        text = str(info.value)
+        assert text.startswith("PrefixStoreConnector: ") and message in text, text
+        assert "\n" not in text
+    # The test double's config takes the fault-injection key (and the store's keys).
+    faulty = FaultyPrefixStoreConfig.from_extra_config(
+        {"path": p, "chunk_blocks": 2, "fail_load_request_ids": ["a"]}
+    )
+    assert faulty.fail_load_request_ids == ("a",) and faulty.chunk_blocks == 2
+    assert FaultyPrefixStoreConfig.from_extra_config({"path": p}).fail_load_request_ids == ()
+    with pytest.raises(ValueError, match="fail_load_request_ids must be a list of strings"):
+        FaultyPrefixStoreConfig.from_extra_config({"path": p, "fail_load_request_ids": "a"})
 
 
 def test_stats_aggregate_reduce_roundtrip():
@@ -176,14 +196,20 @@ def fake_request(req_id: str, tokens: list[int], **kw: Any) -> Any:
     )
 
 
-def make_connector(tmp_path, role: str = "scheduler", num_blocks: int = 64, **extra: Any):
+def make_connector(
+    tmp_path,
+    role: str = "scheduler",
+    num_blocks: int = 64,
+    cls: type[PrefixStoreConnector] = PrefixStoreConnector,
+    **extra: Any,
+):
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     extra.setdefault("path", str(tmp_path / "store"))
     ktc = KVTransferConfig(
-        kv_connector="PrefixStoreConnector",
-        kv_connector_module_path="kvcompose.stores",
+        kv_connector=cls.__name__,
+        kv_connector_module_path=cls.__module__,
         kv_role=extra.pop("kv_role", "kv_both"),
         kv_connector_extra_config=extra,
     )
@@ -194,13 +220,13 @@ def make_connector(tmp_path, role: str = "scheduler", num_blocks: int = 64, **ex
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
     )
     r = KVConnectorRole.SCHEDULER if role == "scheduler" else KVConnectorRole.WORKER
-    return PrefixStoreConnector(vllm_config, r, SimpleNamespace(num_blocks=num_blocks))
+    return cls(vllm_config, r, SimpleNamespace(num_blocks=num_blocks))
 
 
 def touch_chunks(conn: PrefixStoreConnector, tokens: list[int], n: int) -> list[str]:
-    keys = chunk_keys(tokens, conn._chunk_tokens, conn._salt)[:n]
+    keys = chunk_keys(tokens, conn.scheduler.chunk_tokens, conn.scheduler.salt)[:n]
     for k in keys:
-        open(conn._file(k, ""), "wb").close()
+        open(conn.files.file(k), "wb").close()
     return keys
 
 
@@ -241,8 +267,8 @@ def test_lookup_is_prefix_aware_and_idempotent(tmp_path):
     assert conn.get_num_new_matched_tokens(req, 64) == (0, False)
     assert conn.get_num_new_matched_tokens(req, 96) == (0, False)
     # A gap stops the count: chunk 3 stored, chunk 2 not.
-    k = chunk_keys(tokens, BS, conn._salt)
-    open(conn._file(k[3], ""), "wb").close()
+    k = chunk_keys(tokens, BS, conn.scheduler.salt)
+    open(conn.files.file(k[3]), "wb").close()
     assert conn.get_num_new_matched_tokens(req, 0) == (64, False)
     # Never the last token: a 64-token prompt whose 2 chunks are stored loads 32.
     short = tokens[:64]
@@ -305,7 +331,7 @@ def test_saves_follow_chunked_prefill_and_skip_stored_chunks(tmp_path):
     meta = conn.build_connector_meta(
         sched_output(new=[new_req("r", tokens, blocks, 0)], num_scheduled={"r": 70})
     )
-    keys = chunk_keys(tokens, BS, conn._salt)
+    keys = chunk_keys(tokens, BS, conn.scheduler.salt)
     assert [(s.key, s.block_ids) for s in meta.saves] == [(keys[1], [11])]
     # Step 2: [70, 150): chunks 2 and 3; the partial 5th chunk is never saved.
     from vllm.v1.core.sched.output import CachedRequestData
@@ -386,8 +412,6 @@ def _caches(num_blocks=16, seed=0):
 
 
 def test_worker_save_then_load_roundtrip(tmp_path):
-    from kvcompose.stores.prefix_store import ChunkLoad, SaveSpec
-
     src = _caches(seed=1)
     w = make_connector(tmp_path, role="worker", num_blocks=16, chunk_blocks=2)
     w.register_kv_caches(src)
@@ -438,11 +462,14 @@ def test_worker_save_then_load_roundtrip(tmp_path):
 
 
 def test_worker_fault_injection_and_eviction(tmp_path):
-    from kvcompose.stores.prefix_store import ChunkLoad, SaveSpec
-
     src = _caches()
     w = make_connector(
-        tmp_path, role="worker", num_blocks=16, max_chunks=3, fail_load_request_ids=["bad"]
+        tmp_path,
+        role="worker",
+        num_blocks=16,
+        cls=faulty_store.FaultyPrefixStoreConnector,
+        max_chunks=3,
+        fail_load_request_ids=["bad"],
     )
     w.register_kv_caches(src)
     for i in range(5):
@@ -473,7 +500,7 @@ def test_guards_and_reset(tmp_path):
     assert conn.get_num_new_matched_tokens(req, 0) == (32, False)
     conn.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), 128)
     (load,) = conn.build_connector_meta(sched_output()).loads
-    keys = chunk_keys(tokens, BS, conn._salt)
+    keys = chunk_keys(tokens, BS, conn.scheduler.salt)
     assert [c.key for c in load.chunks] == [*keys, "not-stored"]
     w = make_connector(tmp_path, role="worker", num_blocks=16)
     w.register_kv_caches(_caches())
@@ -498,3 +525,31 @@ def test_guards_and_reset(tmp_path):
         PrefixStoreConnector(
             cfg, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=8, kv_cache_groups=[1, 2])
         )
+
+
+def test_facade_loads_by_name_and_builds_one_half_per_role(tmp_path):
+    """vLLM resolves the class from ``module_path`` (as user configs name it); each role's
+    instance holds only its own half, as vLLM calls it."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    for name, module, cls in (
+        ("PrefixStoreConnector", "kvcompose.stores", PrefixStoreConnector),
+        (faulty_store.CONNECTOR, faulty_store.MODULE_PATH, faulty_store.FaultyPrefixStoreConnector),
+    ):
+        ktc = KVTransferConfig(
+            kv_connector=name,
+            kv_connector_module_path=module,
+            kv_role="kv_both",
+            kv_connector_extra_config={"path": str(tmp_path)},
+        )
+        assert KVConnectorFactory.get_connector_class(ktc) is cls
+    sched = make_connector(tmp_path)
+    assert sched.connector_worker is None and sched.total_stats.is_empty()
+    assert sched.get_kv_connector_stats() is None
+    with pytest.raises(RuntimeError, match="worker method called"):
+        sched.get_block_ids_with_load_errors()
+    worker = make_connector(tmp_path, role="worker")
+    assert worker.connector_scheduler is None
+    with pytest.raises(RuntimeError, match="scheduler method called"):
+        worker.get_num_new_matched_tokens(fake_request("r", [1] * 64), 0)

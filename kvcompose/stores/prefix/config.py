@@ -1,0 +1,92 @@
+"""The store's ``kv_connector_extra_config``, as a frozen pydantic model.
+
+vLLM hands a connector its extra config as a plain dict (from JSON or YAML), so a typo or
+a wrong type would otherwise surface much later, inside the engine. :meth:`from_extra_config`
+validates it once at construction and turns pydantic's error list into one line that names
+the offending key, because that line is what a user sees in an engine's startup failure.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class PrefixStoreConfig(BaseModel):
+    """The parsed ``kv_connector_extra_config`` (see :mod:`kvcompose.stores.prefix`)."""
+
+    # strict: YAML/JSON values are taken as they are (``"yes"`` is not a bool, ``2.0`` not
+    # an int), as the connector accepted them before it used pydantic.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    #: The connector named in error messages (a subclass under another name sets its own).
+    CONNECTOR: ClassVar[str] = "PrefixStoreConnector"
+    #: What each key must be, for the one-line error about it.
+    RULES: ClassVar[dict[str, str]] = {
+        "load_mode": "must be 'sync' or 'async'",
+        "chunk_blocks": "must be an int >= 1",
+        "max_chunks": "must be an int >= 1",
+        "read_only": "must be a bool",
+        "namespace": "must be a string",
+    }
+    #: Keys this class no longer accepts, with where they went.
+    MOVED: ClassVar[dict[str, str]] = {
+        "fail_load_request_ids": (
+            "fault injection is test-only: use connector FaultyPrefixStoreConnector "
+            "(module_path kvcompose.testing.faulty_store)"
+        ),
+    }
+
+    path: Annotated[str, Field(min_length=1, description="Directory of the store.")]
+    load_mode: Literal["sync", "async"] = Field(
+        "sync", description="Load before the step's forward (sync) or across steps (async)."
+    )
+    chunk_blocks: Annotated[int, Field(ge=1, description="Chunk size in vLLM blocks.")] = 1
+    max_chunks: Annotated[int, Field(ge=1, description="Cap on chunk files (LRU).")] | None = None
+    read_only: bool = Field(False, description="Only load; never save, touch or evict.")
+    namespace: str | None = Field(None, description="Replaces the model part of the salt.")
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path_like(cls, value: Any) -> Any:
+        """Accept ``pathlib.Path`` and other path objects as well as strings."""
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> PrefixStoreConfig:
+        """Validate ``extra``; raises ``ValueError`` with one line naming the bad key."""
+        extra = dict(extra or {})
+        known = list(cls.model_fields)
+        moved = sorted(k for k in extra if k in cls.MOVED and k not in known)
+        if moved:
+            raise ValueError(
+                f"{cls.CONNECTOR}: {moved[0]} is no longer accepted; {cls.MOVED[moved[0]]}"
+            )
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(
+                f"{cls.CONNECTOR}: unknown kv_connector_extra_config keys {unknown}; "
+                f"known keys: {known}"
+            )
+        try:
+            return cls(**extra)
+        except ValidationError as exc:
+            raise ValueError(cls._one_line(exc, extra)) from None
+
+    @classmethod
+    def _one_line(cls, exc: ValidationError, extra: dict[str, Any]) -> str:
+        """The first error in field order, phrased as the key's rule."""
+        order = list(cls.model_fields)
+        errors = sorted(
+            exc.errors(),
+            key=lambda e: order.index(str(e["loc"][0])) if e["loc"] else len(order),
+        )
+        key = str(errors[0]["loc"][0]) if errors[0]["loc"] else ""
+        if key == "path":
+            return f"{cls.CONNECTOR}: kv_connector_extra_config.path is required"
+        rule = cls.RULES.get(key)
+        if rule is None:
+            return f"{cls.CONNECTOR}: {key}: {errors[0]['msg']}"
+        return f"{cls.CONNECTOR}: {key} {rule}, got {extra.get(key)!r}"

@@ -1,0 +1,60 @@
+"""What the scheduler half tells the workers each step (vLLM's ``KVConnectorMetadata``).
+
+The scheduler plans in vLLM's (manager) block ids and chunk keys only; the workers never
+hash tokens or look at requests, so a step's metadata is the whole contract between the
+two halves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class ChunkLoad:
+    """Load part of one stored chunk into a request's blocks."""
+
+    key: str
+    #: Offset, in vLLM blocks, of the first loaded block inside the chunk file (non-zero
+    #: when the engine's local prefix cache already holds the chunk's first blocks).
+    first_block: int
+    #: The request's (manager) block ids that receive the chunk's blocks ``first_block``,
+    #: ``first_block + 1``, ...
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class LoadSpec:
+    """One request's load: its chunks in prefix order."""
+
+    req_id: str
+    chunks: list[ChunkLoad]
+    #: Reported through ``finished_recving``/``failed_recving`` (async) or, on failure,
+    #: through the blocks of ``get_block_ids_with_load_errors`` (sync).
+    is_async: bool
+    num_tokens: int
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b for c in self.chunks for b in c.block_ids]
+
+
+@dataclass
+class SaveSpec:
+    """Save one full chunk from a request's blocks."""
+
+    key: str
+    block_ids: list[int]
+    num_tokens: int
+    req_id: str
+
+
+@dataclass
+class PrefixStoreMetadata(KVConnectorMetadata):
+    """One step's loads and saves (saves in prefix order)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

@@ -1,0 +1,64 @@
+"""The store's counters, as vLLM ``KVConnectorStats``.
+
+vLLM collects a worker's stats every step, sums them across workers and intervals with
+``aggregate`` and logs ``reduce()``; kvcompose composites nest them per node. The counters
+are plain numbers in ``data`` so the stats survive vLLM's serialization between processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+STAT_KEYS: tuple[str, ...] = (
+    "chunks_loaded",
+    "tokens_loaded",
+    "bytes_loaded",
+    "chunks_saved",
+    "tokens_saved",
+    "bytes_saved",
+    "load_failures",
+    "load_time_s",
+    "save_time_s",
+)
+
+
+def _zero_stats() -> dict[str, int | float]:
+    return {k: (0.0 if k.endswith("_s") else 0) for k in STAT_KEYS}
+
+
+@dataclass
+class PrefixStoreStats(KVConnectorStats):
+    """Counters of one interval; ``aggregate`` sums them (workers, intervals)."""
+
+    def __post_init__(self) -> None:
+        merged = _zero_stats()
+        merged.update(self.data or {})
+        self.data = merged
+
+    def reset(self) -> None:
+        self.data = _zero_stats()
+
+    def add(self, **counts: int | float) -> None:
+        for k, v in counts.items():
+            self.data[k] = self.data.get(k, 0) + v
+
+    def aggregate(self, other: KVConnectorStats) -> PrefixStoreStats:
+        for k, v in (other.data or {}).items():
+            if isinstance(v, int | float):
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for k in STAT_KEYS:
+            v = self.data.get(k, 0)
+            out[k] = round(v, 4) if isinstance(v, float) else v
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k, 0) for k in STAT_KEYS)
+
+    def snapshot(self) -> dict[str, int | float]:
+        return dict(self.data)
