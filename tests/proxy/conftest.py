@@ -27,7 +27,7 @@ class Bed:
         return [*self.prefill, *self.decode]
 
     def client(self, **kw: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.proxy_url, timeout=30, **kw)
+        return httpx.Client(base_url=self.proxy_url, **{"timeout": 30, **kw})
 
     def metric(self, name: str, **labels: str) -> float:
         value = self.app.state.metrics.registry.get_sample_value(name, labels or None)
