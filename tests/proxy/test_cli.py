@@ -52,3 +52,11 @@ def test_the_verb_serves_the_app():
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_the_example_config_loads():
+    from kvcompose.proxy import load_proxy_config
+
+    config = load_proxy_config(ROOT / "examples" / "pd" / "proxy.yaml")
+    assert config.prefill == ["http://127.0.0.1:8100"]
+    assert config.decode == ["http://127.0.0.1:8200"]
