@@ -52,8 +52,20 @@ def _body(**kw: Any) -> dict[str, Any]:
 
 def _start_proxy(prefill: list[str], decode: list[str], core: int) -> tuple[Any, str]:
     port = free_port()
-    args = [sys.executable, "-m", "kvcompose.cli", "proxy", "--port", str(port),
-            "--log-level", "error", "--prefill", *prefill, "--decode", *decode]
+    args = [
+        sys.executable,
+        "-m",
+        "kvcompose.cli",
+        "proxy",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--prefill",
+        *prefill,
+        "--decode",
+        *decode,
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.sched_setaffinity(proc.pid, {core})
     url = f"http://127.0.0.1:{port}"
@@ -70,8 +82,11 @@ def _start_proxy(prefill: list[str], decode: list[str], core: int) -> tuple[Any,
 
 def _pct(xs: list[float]) -> dict[str, float]:
     a = np.asarray(xs) * 1000
-    return {"p50_ms": round(float(np.percentile(a, 50)), 3),
-            "p99_ms": round(float(np.percentile(a, 99)), 3), "n": len(xs)}
+    return {
+        "p50_ms": round(float(np.percentile(a, 50)), 3),
+        "p99_ms": round(float(np.percentile(a, 99)), 3),
+        "n": len(xs),
+    }
 
 
 async def latency(proxy: str, decode: str, n: int) -> dict[str, Any]:
@@ -84,9 +99,12 @@ async def latency(proxy: str, decode: str, n: int) -> dict[str, Any]:
             direct.append(await _read(c, f"{decode}/v1/completions", _body()))
             proxied.append(await _read(c, f"{proxy}/v1/completions", _body()))
     d, p = _pct(direct), _pct(proxied)
-    return {"direct_to_decode": d, "through_proxy": p,
-            "added_p50_ms": round(p["p50_ms"] - d["p50_ms"], 3),
-            "added_p99_ms": round(p["p99_ms"] - d["p99_ms"], 3)}
+    return {
+        "direct_to_decode": d,
+        "through_proxy": p,
+        "added_p50_ms": round(p["p50_ms"] - d["p50_ms"], 3),
+        "added_p99_ms": round(p["p99_ms"] - d["p99_ms"], 3),
+    }
 
 
 async def throughput(proxy: str, total: int, concurrency: int, pid: int) -> dict[str, Any]:
@@ -96,6 +114,7 @@ async def throughput(proxy: str, total: int, concurrency: int, pid: int) -> dict
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=60, limits=limits) as c:
+
         async def one() -> None:
             async with sem:
                 await _read(c, f"{proxy}/v1/completions", _body())
@@ -108,10 +127,14 @@ async def throughput(proxy: str, total: int, concurrency: int, pid: int) -> dict
     # The client and the scripted servers share this machine's cores (and one Python
     # process), so the wall-clock rate is a floor; requests per CPU-second of the proxy
     # process is what one fully used core would sustain.
-    return {"requests": total, "concurrency": concurrency, "seconds": round(wall, 2),
-            "requests_per_s_wall": round(total / wall, 1),
-            "proxy_cpu_seconds": round(busy, 2),
-            "requests_per_proxy_cpu_second": round(total / busy, 1)}
+    return {
+        "requests": total,
+        "concurrency": concurrency,
+        "seconds": round(wall, 2),
+        "requests_per_s_wall": round(total / wall, 1),
+        "proxy_cpu_seconds": round(busy, 2),
+        "requests_per_proxy_cpu_second": round(total / busy, 1),
+    }
 
 
 async def recovery(proxy: str, p: ScriptedVLLM, d: ScriptedVLLM, runs: int) -> dict[str, Any]:
@@ -133,8 +156,10 @@ async def recovery(proxy: str, p: ScriptedVLLM, d: ScriptedVLLM, runs: int) -> d
                 server.fail_next(fault)
                 extra.append(await _read(c, f"{proxy}/v1/completions", _body()) - median)
                 await asyncio.sleep(0.3)  # let the health check put the backend back
-            out[name] = {"added_median_ms": round(statistics.median(extra) * 1000, 3),
-                         "added_max_ms": round(max(extra) * 1000, 3)}
+            out[name] = {
+                "added_median_ms": round(statistics.median(extra) * 1000, 3),
+                "added_max_ms": round(max(extra) * 1000, 3),
+            }
     return out
 
 
@@ -151,13 +176,15 @@ def main() -> int:
     results: dict[str, Any] = {
         "what": "kvcompose proxy against scripted vLLM servers on loopback (no model compute)",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other work, "
-                   f"Python {platform.python_version()}",
-        "proxy_core": cores[-1], "tokens_per_request": TOKENS, "prompt_tokens": len(PROMPT)}
+        f"Python {platform.python_version()}",
+        "proxy_core": cores[-1],
+        "tokens_per_request": TOKENS,
+        "prompt_tokens": len(PROMPT),
+    }
     proc, proxy = _start_proxy([p_url], [d_url], cores[-1])
     try:
         results["latency"] = asyncio.run(latency(proxy, d_url, args.requests))
-        results["throughput"] = asyncio.run(throughput(proxy, args.requests * 3, 32,
-                                                        proc.pid))
+        results["throughput"] = asyncio.run(throughput(proxy, args.requests * 3, 32, proc.pid))
         results["recovery"] = asyncio.run(recovery(proxy, servers[0], servers[1], 10))
     finally:
         proc.terminate()

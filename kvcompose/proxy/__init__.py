@@ -8,5 +8,11 @@ from kvcompose.proxy.app import create_app
 from kvcompose.proxy.config import ProxyConfig, load_proxy_config
 from kvcompose.proxy.core import GenerationFailed, GenerationRequest, Router
 
-__all__ = ["GenerationFailed", "GenerationRequest", "ProxyConfig", "Router", "create_app",
-           "load_proxy_config"]
+__all__ = [
+    "GenerationFailed",
+    "GenerationRequest",
+    "ProxyConfig",
+    "Router",
+    "create_app",
+    "load_proxy_config",
+]

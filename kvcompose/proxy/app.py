@@ -83,7 +83,8 @@ def create_app(config: ProxyConfig, *, http_client: httpx.AsyncClient | None = N
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = http_client or httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        )
         transport = Transport(client, config.timeouts)
         router = Router(config, pool, transport, metrics)
         app.state.router = router
@@ -170,8 +171,9 @@ async def _refresh_models(router: Router, state: dict[str, Any]) -> None:
             log.warning("models: %s", exc)
             continue
         if router.config.model:
-            data = [m for m in data if m.get("id") == router.config.model] or \
-                [{"id": router.config.model, "object": "model", "owned_by": "kvcompose"}]
+            data = [m for m in data if m.get("id") == router.config.model] or [
+                {"id": router.config.model, "object": "model", "owned_by": "kvcompose"}
+            ]
         state["models"] = data
         return
 
@@ -203,8 +205,10 @@ async def _parse(request: Request, kind: Kind) -> CompletionBody | ChatBody:
 async def _serve(request: Request, kind: Kind, state: dict[str, Any]) -> Response:
     router: Router = request.app.state.router
     endpoint = "chat" if kind == "chat" else "completions"
-    rid = request.headers.get("X-Request-Id") or \
-        f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = (
+        request.headers.get("X-Request-Id")
+        or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    )
     try:
         body = await _parse(request, kind)
         model = _model_for(body.model, state, router)

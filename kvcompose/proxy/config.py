@@ -1,9 +1,9 @@
 """The proxy's settings: backends, retry policy, timeouts (a YAML file or CLI flags).
 
-    prefill: [http://p1:8100, http://p2:8100]
-    decode: [http://d1:8200]
-    max_attempts: 4          # per client request, the first attempt included
-    backoff_s: 0.05          # doubled after each failed attempt, capped at backoff_max_s
+prefill: [http://p1:8100, http://p2:8100]
+decode: [http://d1:8200]
+max_attempts: 4          # per client request, the first attempt included
+backoff_s: 0.05          # doubled after each failed attempt, capped at backoff_max_s
 """
 
 from __future__ import annotations

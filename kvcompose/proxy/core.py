@@ -129,32 +129,47 @@ class Router:
             while True:
                 remaining = None if req.max_tokens is None else req.max_tokens - len(delivered)
                 if remaining is not None and remaining <= 0:
-                    yield self._finish(req, stops, delivered, "length", None, attempt)
+                    yield self._finish(req, delivered, "length", None, attempt)
                     return
                 if attempt >= self.config.max_attempts:
                     raise GenerationFailed(
-                        503, f"request {req.request_id}: gave up after {attempt} attempts "
-                        f"({len(delivered)} tokens delivered); last error: {failures[-1]}")
+                        503,
+                        f"request {req.request_id}: gave up after {attempt} attempts "
+                        f"({len(delivered)} tokens delivered); last error: {failures[-1]}",
+                    )
                 attempt += 1
                 if failures:
                     await asyncio.sleep(self.config.backoff(len(failures)))
                 try:
-                    async for item in self._attempt(req, attempt, delivered, stops, remaining,
-                                                    avoid):
+                    async for item in self._attempt(
+                        req, attempt, delivered, stops, remaining, avoid
+                    ):
                         yield item
                         if isinstance(item, Finish):
                             return
                 except _Retry as retry:
                     failures.append(str(retry))
                     self.metrics.retries.labels(cause=retry.cause).inc()
-                    log.warning("req=%s attempt=%d %s: %s (%d tokens delivered)",
-                                req.request_id, attempt, retry.cause, retry, len(delivered))
+                    log.warning(
+                        "req=%s attempt=%d %s: %s (%d tokens delivered)",
+                        req.request_id,
+                        attempt,
+                        retry.cause,
+                        retry,
+                        len(delivered),
+                    )
         finally:
             self.metrics.attempts.observe(attempt)
             self.metrics.request_seconds.observe(time.monotonic() - t0)
 
-    def _finish(self, req: GenerationRequest, stops: StopStrings, delivered: list[int],
-                reason: str, stop_reason: int | str | None, attempts: int) -> Finish:
+    @staticmethod
+    def _finish(
+        req: GenerationRequest,
+        delivered: list[int],
+        reason: str,
+        stop_reason: int | str | None,
+        attempts: int,
+    ) -> Finish:
         return Finish(reason, stop_reason, len(req.prompt_ids), len(delivered), attempts)
 
     async def _attempt(
@@ -179,8 +194,13 @@ class Router:
         if stops.stops:
             body["stop"] = stops.stops
             body["include_stop_str_in_output"] = True
-        log.debug("req=%s attempt=%d decode on %s (%d prompt ids)", req.request_id, attempt,
-                  decode.url, len(prompt))
+        log.debug(
+            "req=%s attempt=%d decode on %s (%d prompt ids)",
+            req.request_id,
+            attempt,
+            decode.url,
+            len(prompt),
+        )
         started = False
         got = 0  # tokens this attempt delivered
         t0 = time.monotonic()
@@ -190,14 +210,21 @@ class Router:
                     async for ev in events:
                         started = True
                         if ev.error is not None:
-                            raise _Retry("decode_error", f"decode {decode.url}: "
-                                         f"{ev.error.get('message', ev.error)}")
+                            raise _Retry(
+                                "decode_error",
+                                f"decode {decode.url}: {ev.error.get('message', ev.error)}",
+                            )
                         if ev.finish_reason is not None and ev.stop_reason == RECOMPUTED:
-                            raise _Retry("recomputed", f"decode {decode.url} gave the request "
-                                         "back (stop_reason recomputed)")
+                            raise _Retry(
+                                "recomputed",
+                                f"decode {decode.url} gave the request "
+                                "back (stop_reason recomputed)",
+                            )
                         if ev.finish_reason in RETRY_FINISH:
-                            raise _Retry(f"decode_{ev.finish_reason}",
-                                         f"decode {decode.url} finished with {ev.finish_reason}")
+                            raise _Retry(
+                                f"decode_{ev.finish_reason}",
+                                f"decode {decode.url} finished with {ev.finish_reason}",
+                            )
                         if remaining is not None:
                             ev.token_ids = ev.token_ids[: remaining - got]
                         got += len(ev.token_ids)
@@ -206,17 +233,19 @@ class Router:
                         if text or ev.token_ids:
                             yield Delta(text, ev.token_ids)
                         if match is not None:
-                            yield self._finish(req, stops, delivered, "stop", match.stop, attempt)
+                            yield self._finish(req, delivered, "stop", match.stop, attempt)
                             return
                         if ev.finish_reason is not None:
                             tail = stops.flush()
                             if tail:
                                 yield Delta(tail, [])
-                            yield self._finish(req, stops, delivered, ev.finish_reason,
-                                               ev.stop_reason, attempt)
+                            yield self._finish(
+                                req, delivered, ev.finish_reason, ev.stop_reason, attempt
+                            )
                             return
-            raise _Retry("stream_dropped", f"decode {decode.url}: the stream ended "
-                         "without a finish reason")
+            raise _Retry(
+                "stream_dropped", f"decode {decode.url}: the stream ended without a finish reason"
+            )
         except BackendError as exc:
             if exc.client_error:
                 raise GenerationFailed(exc.status or 400, str(exc), exc.body) from exc
@@ -293,8 +322,11 @@ class Router:
         """Have a healthy decode engine reject the hand-off, so P frees its blocks now."""
         backend = self.pool.pick("decode")
         if backend is None:
-            log.warning("req=%s no decode backend to release the hand-off; P keeps the "
-                        "blocks until its kv_lease_duration", rid)
+            log.warning(
+                "req=%s no decode backend to release the hand-off; P keeps the "
+                "blocks until its kv_lease_duration",
+                rid,
+            )
             self.metrics.releases.labels(outcome="no_backend").inc()
             return False
         try:
@@ -311,4 +343,3 @@ class Router:
         """Wait for pending releases (at shutdown)."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-

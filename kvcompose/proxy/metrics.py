@@ -20,9 +20,13 @@ class ProxyMetrics:
         self.attempts = Histogram("kvcompose_proxy_attempts_per_request", "prefill/decode "
                                   "attempts per request", buckets=(1, 2, 3, 4, 6, 8, 12),
                                   registry=r)  # fmt: skip
-        self.backend_seconds = Histogram("kvcompose_proxy_backend_seconds", "time in one "
-                                         "backend call (prefill: P's answer; decode: D's "
-                                         "stream)", ["role"], buckets=_LATENCY, registry=r)
+        self.backend_seconds = Histogram(
+            "kvcompose_proxy_backend_seconds",
+            "time in one backend call (prefill: P's answer; decode: D's stream)",
+            ["role"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.request_seconds = Histogram("kvcompose_proxy_request_seconds", "time from a "
                                          "request's first attempt to its end",
                                          buckets=_LATENCY, registry=r)  # fmt: skip

@@ -20,12 +20,37 @@ from kvcompose.proxy.core import Delta, Finish, GenerationRequest
 Kind = Literal["completion", "chat"]
 
 #: Fields the proxy reads or owns; everything else goes to the backends unchanged.
-_OWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "stream",
-        "stream_options", "stop", "include_stop_str_in_output", "min_tokens", "request_id",
-        "return_token_ids", "add_generation_prompt", "continue_final_message",
-        "chat_template", "chat_template_kwargs", "add_special_tokens", "echo", "logprobs",
-        "top_logprobs", "prompt_logprobs", "use_beam_search", "best_of", "suffix",
-        "kv_transfer_params", "tools", "tool_choice", "user"}
+_OWN = {
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "include_stop_str_in_output",
+    "min_tokens",
+    "request_id",
+    "return_token_ids",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_special_tokens",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "use_beam_search",
+    "best_of",
+    "suffix",
+    "kv_transfer_params",
+    "tools",
+    "tool_choice",
+    "user",
+}
 
 
 class BadRequest(Exception):
@@ -156,8 +181,11 @@ class ChatBody(_Common):
         return body
 
     def max_new(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
             else self.max_tokens
+        )
 
 
 def generation_request(body: CompletionBody | ChatBody, request_id: str, model: str,
@@ -184,8 +212,11 @@ class Formatter:
         self._first = True
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
-        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.kind == "chat" \
+        obj = (
+            ("chat.completion.chunk" if chunk else "chat.completion")
+            if self.kind == "chat"
             else "text_completion"
+        )
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}  # fmt: skip
 

@@ -37,16 +37,16 @@ class StopStrings:
             if found:
                 i, stop = min(found)
                 end = i + len(stop) if self.include else i
-                out = self.text[self.emitted:end]
+                out = self.text[self.emitted : end]
                 self.emitted = max(self.emitted, end)
                 return out, StopMatch(stop, out)
         end = len(self.text) - self.hold
-        out = self.text[self.emitted:end] if end > self.emitted else ""
+        out = self.text[self.emitted : end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return out, None
 
     def flush(self) -> str:
         """The withheld tail, once generation ended for another reason."""
-        out = self.text[self.emitted:]
+        out = self.text[self.emitted :]
         self.emitted = len(self.text)
         return out

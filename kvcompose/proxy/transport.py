@@ -106,8 +106,12 @@ class Transport:
         data = await self._post_json(backend, "/v1/completions", body)
         params = data.get("kv_transfer_params") if isinstance(data, dict) else None
         if not isinstance(params, dict):
-            raise BackendError(backend, "protocol", "the prefill answer carries no "
-                               "kv_transfer_params (is P started with a P/D connector?)")
+            raise BackendError(
+                backend,
+                "protocol",
+                "the prefill answer carries no "
+                "kv_transfer_params (is P started with a P/D connector?)",
+            )
         return params
 
     async def decode(self, backend: Backend, body: dict[str, Any]) -> AsyncIterator[StreamEvent]:
@@ -119,8 +123,13 @@ class Transport:
                 if resp.status_code != 200:
                     await resp.aread()
                     data = _json_or_text(resp)
-                    raise BackendError(backend, "status", f"decode: HTTP {resp.status_code}: "
-                                       f"{_error_message(data)}", resp.status_code, data)
+                    raise BackendError(
+                        backend,
+                        "status",
+                        f"decode: HTTP {resp.status_code}: {_error_message(data)}",
+                        resp.status_code,
+                        data,
+                    )
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -147,8 +156,14 @@ class Transport:
         blocks (``nixl/pull_scheduler.py`` 219-230). ``stream`` with ``use_beam_search`` is
         such an error (``completion/serving.py`` 130-133): nothing is read or computed.
         Returns the HTTP status (400 expected)."""
-        body = {"prompt": [0], "max_tokens": 1, "stream": True, "use_beam_search": True,
-                "request_id": request_id, "kv_transfer_params": params}
+        body = {
+            "prompt": [0],
+            "max_tokens": 1,
+            "stream": True,
+            "use_beam_search": True,
+            "request_id": request_id,
+            "kv_transfer_params": params,
+        }
         try:
             resp = await self.client.post(f"{backend.url}/v1/completions", json=body,
                                           timeout=self._timeout)  # fmt: skip

@@ -48,7 +48,7 @@ def reference(prompt_ids: list[int], n: int) -> list[int]:
     seq = list(prompt_ids)
     for _ in range(n):
         seq.append(next_token(seq))
-    return seq[len(prompt_ids):]
+    return seq[len(prompt_ids) :]
 
 
 def detok(ids: list[int]) -> str:
@@ -56,8 +56,12 @@ def detok(ids: list[int]) -> str:
 
 
 def tokenize(text: str) -> list[int]:
-    return [int(w[1:]) if w[:1] == "w" and w[1:].isdigit() else
-            int(hashlib.sha1(w.encode()).hexdigest(), 16) % 997 + 3 for w in text.split()]
+    return [
+        int(w[1:])
+        if w[:1] == "w" and w[1:].isdigit()
+        else int(hashlib.sha1(w.encode()).hexdigest(), 16) % 997 + 3
+        for w in text.split()
+    ]
 
 
 def chat_ids(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
@@ -130,8 +134,14 @@ class ScriptedVLLM:
 
         @app.get("/v1/models")
         async def models() -> JSONResponse:
-            return JSONResponse({"object": "list", "data": [
-                {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 4096}]})
+            return JSONResponse(
+                {
+                    "object": "list",
+                    "data": [
+                        {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 4096}
+                    ],
+                }
+            )
 
         @app.post("/tokenize")
         async def tok(request: Request) -> JSONResponse:
@@ -140,8 +150,9 @@ class ScriptedVLLM:
                 ids = chat_ids(body["messages"], body.get("add_generation_prompt", True))
             else:
                 ids = tokenize(body["prompt"])
-            return JSONResponse({"count": len(ids), "max_model_len": 4096, "tokens": ids,
-                                 "token_strs": None})
+            return JSONResponse(
+                {"count": len(ids), "max_model_len": 4096, "tokens": ids, "token_strs": None}
+            )
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Any:
@@ -149,8 +160,11 @@ class ScriptedVLLM:
             self.requests.append(body)
             params = body.get("kv_transfer_params") or {}
             rid = body.get("request_id") or uuid.uuid4().hex
-            if params.get("do_remote_prefill") and body.get("stream") and \
-                    body.get("use_beam_search"):
+            if (
+                params.get("do_remote_prefill")
+                and body.get("stream")
+                and body.get("use_beam_search")
+            ):
                 # generate/base/serving.py 271-303 + nixl/pull_scheduler.py 219-230
                 self.fabric.release(params["remote_request_id"])
                 return _err("Streaming is not currently supported with beam search", 400)
@@ -165,28 +179,52 @@ class ScriptedVLLM:
                 return _err("the scripted server takes token-id prompts only", 400)
             if params.get("do_remote_decode"):
                 return self._prefill(rid, prompt)
-            return SSEResponse(self._decode(rid, body, params, fault),
-                               media_type="text/event-stream")
+            return SSEResponse(
+                self._decode(rid, body, params, fault), media_type="text/event-stream"
+            )
 
         return app
 
     def _prefill(self, rid: str, prompt: list[int]) -> JSONResponse:
-        handoff = {"do_remote_prefill": True, "do_remote_decode": False,
-                   "remote_block_ids": [[1, 2, 3]], "remote_engine_id": self.name,
-                   "remote_request_id": rid, "remote_host": "127.0.0.1", "remote_port": 5600,
-                   "remote_num_tokens": len(prompt), "transfer_mode": "pull"}
+        handoff = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [[1, 2, 3]],
+            "remote_engine_id": self.name,
+            "remote_request_id": rid,
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "remote_num_tokens": len(prompt),
+            "transfer_mode": "pull",
+        }
         self.fabric.hold(rid, prompt)
         first = reference(prompt, 1)
-        return JSONResponse({
-            "id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
-            "model": MODEL, "choices": [{"index": 0, "text": detok(first),
-                                         "finish_reason": "length", "stop_reason": None}],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1,
-                      "total_tokens": len(prompt) + 1},
-            "kv_transfer_params": handoff})
+        return JSONResponse(
+            {
+                "id": f"cmpl-{rid}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": MODEL,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": detok(first),
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": 1,
+                    "total_tokens": len(prompt) + 1,
+                },
+                "kv_transfer_params": handoff,
+            }
+        )
 
-    async def _decode(self, rid: str, body: dict[str, Any], params: dict[str, Any],
-                      fault: Fault | None) -> Any:
+    async def _decode(
+        self, rid: str, body: dict[str, Any], params: dict[str, Any], fault: Fault | None
+    ) -> Any:
         prompt: list[int] = body["prompt"]
         max_tokens = body.get("max_tokens") or 64
         stops = body.get("stop") or []
@@ -199,9 +237,16 @@ class ScriptedVLLM:
                 pulled = self.fabric.pull(params.get("remote_request_id", ""))
                 if pulled != prompt or (fault is not None and fault.kind == "load_fail"):
                     # the engine ends the request with FINISHED_ERROR -> GenerationError
-                    yield _data({"error": {"message": "Internal server error",
-                                           "type": "InternalServerError", "param": None,
-                                           "code": 500}})
+                    yield _data(
+                        {
+                            "error": {
+                                "message": "Internal server error",
+                                "type": "InternalServerError",
+                                "param": None,
+                                "code": 500,
+                            }
+                        }
+                    )
                     yield "data: [DONE]\n\n"
                     finished = True
                     return
@@ -229,12 +274,22 @@ class ScriptedVLLM:
                 yield _data(_chunk(rid, piece, [tok], reason, hit, body))
                 if reason:
                     break
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(seq) - len(prompt),
-                     "total_tokens": len(seq)}
+            usage = {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(seq) - len(prompt),
+                "total_tokens": len(seq),
+            }
             if (body.get("stream_options") or {}).get("include_usage"):
-                yield _data({"id": f"cmpl-{rid}", "object": "text_completion",
-                             "created": int(time.time()), "model": MODEL, "choices": [],
-                             "usage": usage})
+                yield _data(
+                    {
+                        "id": f"cmpl-{rid}",
+                        "object": "text_completion",
+                        "created": int(time.time()),
+                        "model": MODEL,
+                        "choices": [],
+                        "usage": usage,
+                    }
+                )
             yield "data: [DONE]\n\n"
             finished = True
         finally:
@@ -243,14 +298,25 @@ class ScriptedVLLM:
                 self.aborted.append(rid)
 
 
-def _chunk(rid: str, text: str, ids: list[int], finish: str | None, stop: Any,
-           body: dict[str, Any]) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
-                              "finish_reason": finish, "stop_reason": stop}
+def _chunk(
+    rid: str, text: str, ids: list[int], finish: str | None, stop: Any, body: dict[str, Any]
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": stop,
+    }
     if body.get("return_token_ids"):
         choice["token_ids"] = ids
-    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
-            "model": MODEL, "choices": [choice]}
+    return {
+        "id": f"cmpl-{rid}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": MODEL,
+        "choices": [choice],
+    }
 
 
 def _data(obj: dict[str, Any]) -> str:
@@ -261,16 +327,24 @@ def _data(obj: dict[str, Any]) -> str:
 
 def _err(message: str, status: int) -> JSONResponse:
     kind = "BadRequestError" if status < 500 else "InternalServerError"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                   "code": status}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}},
+        status_code=status,
+    )
 
 
 class ServerThread:
     """An ASGI app served by uvicorn on 127.0.0.1 in a thread of its own."""
 
     def __init__(self, app: Any, port: int = 0) -> None:
-        self.config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                     lifespan="on", timeout_graceful_shutdown=1)
+        self.config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=1,
+        )
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -46,8 +46,13 @@ def backends() -> Iterator[tuple[Fabric, list[ScriptedVLLM], list[ServerThread]]
 
 def start_proxy(bed: Bed, **overrides: Any) -> ServerThread:
     config = ProxyConfig(
-        prefill=[bed.urls["p1"], bed.urls["p2"]], decode=[bed.urls["d1"], bed.urls["d2"]],
-        backoff_s=0.01, backoff_max_s=0.05, health_interval_s=0.2, **overrides)
+        prefill=[bed.urls["p1"], bed.urls["p2"]],
+        decode=[bed.urls["d1"], bed.urls["d2"]],
+        backoff_s=0.01,
+        backoff_max_s=0.05,
+        health_interval_s=0.2,
+        **overrides,
+    )
     bed.app = create_app(config)
     thread = ServerThread(bed.app).start()
     bed.proxy_url = thread.url
@@ -64,8 +69,12 @@ def bed(backends) -> Iterator[Bed]:
         s.healthy = True
     fabric.held.clear()
     fabric.released.clear()
-    b = Bed(fabric, servers[:2], servers[2:], {s.name: t.url for s, t in zip(servers, threads,
-                                                                               strict=True)})
+    b = Bed(
+        fabric,
+        servers[:2],
+        servers[2:],
+        {s.name: t.url for s, t in zip(servers, threads, strict=True)},
+    )
     proxy = start_proxy(b)
     yield b
     proxy.stop()

@@ -34,9 +34,23 @@ def test_bad_settings_are_one_line_errors(capsys):
 def test_the_verb_serves_the_app():
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "kvcompose.cli", "proxy", "--prefill",
-                             "127.0.0.1:9", "--decode", "127.0.0.1:9", "--port", str(port),
-                             "--log-level", "warning"], env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvcompose.cli",
+            "proxy",
+            "--prefill",
+            "127.0.0.1:9",
+            "--decode",
+            "127.0.0.1:9",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -47,8 +61,10 @@ def test_the_verb_serves_the_app():
                 assert proc.poll() is None and time.monotonic() < deadline
                 time.sleep(0.2)
         assert resp.status_code == 503  # nothing listens on port 9: both out of rotation
-        assert resp.json()["down"] == {"prefill": ["http://127.0.0.1:9"],
-                                       "decode": ["http://127.0.0.1:9"]}
+        assert resp.json()["down"] == {
+            "prefill": ["http://127.0.0.1:9"],
+            "decode": ["http://127.0.0.1:9"],
+        }
     finally:
         proc.terminate()
         proc.wait(timeout=20)

@@ -17,20 +17,31 @@ from kvcompose.testing.scripted_vllm import MODEL, Fault, detok, reference, toke
 PROMPT = " ".join(f"w{i}" for i in range(100, 140))
 
 
-@pytest.mark.parametrize(("path", "body", "status", "words"), [
-    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "at least one message"),
-    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
-    ("/v1/completions", {"model": MODEL, "prompt": "w1", "n": 2}, 400, "n > 1"),
-    ("/v1/completions", {"model": MODEL, "prompt": "w1", "logprobs": 2}, 400, "logprobs"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w1"}],
-                              "logprobs": True}, 400, "logprobs"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["w1", "w2"]}, 400, "batch"),
-    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
-    ("/v1/completions", {"model": "nope", "prompt": "w1"}, 404, "does not exist"),
-    ("/v1/completions", {"model": MODEL, "prompt": "w1", "max_tokens": -1}, 400, "max_tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": "w1",
-                         "kv_transfer_params": {"do_remote_decode": True}}, 400, "proxy"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "status", "words"),
+    [
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "at least one message"),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+        ("/v1/completions", {"model": MODEL, "prompt": "w1", "n": 2}, 400, "n > 1"),
+        ("/v1/completions", {"model": MODEL, "prompt": "w1", "logprobs": 2}, 400, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "logprobs": True},
+            400,
+            "logprobs",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": ["w1", "w2"]}, 400, "batch"),
+        ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
+        ("/v1/completions", {"model": "nope", "prompt": "w1"}, 404, "does not exist"),
+        ("/v1/completions", {"model": MODEL, "prompt": "w1", "max_tokens": -1}, 400, "max_tokens"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "w1", "kv_transfer_params": {"do_remote_decode": True}},
+            400,
+            "proxy",
+        ),
+    ],
+)
 def test_bad_input_is_a_clear_error(bed, path, body, status, words):
     with bed.client() as c:
         resp = c.post(path, json=body)
@@ -42,8 +53,9 @@ def test_bad_input_is_a_clear_error(bed, path, body, status, words):
 
 def test_malformed_json_and_a_non_object(bed):
     with bed.client() as c:
-        r1 = c.post("/v1/completions", content=b"{not json",
-                    headers={"Content-Type": "application/json"})
+        r1 = c.post(
+            "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+        )
         r2 = c.post("/v1/completions", json=[1, 2])
     assert r1.status_code == 400 and "not valid JSON" in r1.json()["error"]["message"]
     assert r2.status_code == 400 and "JSON object" in r2.json()["error"]["message"]
@@ -55,12 +67,16 @@ def test_models_health_metrics(bed):
         assert c.get("/health").status_code == 200
         c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
         text = c.get("/metrics").text
-    for name in ("kvcompose_proxy_requests_total", "kvcompose_proxy_attempts_per_request",
-                 "kvcompose_proxy_backend_seconds", "kvcompose_proxy_in_flight",
-                 "kvcompose_proxy_backend_healthy", "kvcompose_proxy_retries_total"):
+    for name in (
+        "kvcompose_proxy_requests_total",
+        "kvcompose_proxy_attempts_per_request",
+        "kvcompose_proxy_backend_seconds",
+        "kvcompose_proxy_in_flight",
+        "kvcompose_proxy_backend_healthy",
+        "kvcompose_proxy_retries_total",
+    ):
         assert name in text
-    assert bed.metric("kvcompose_proxy_requests_total", endpoint="completions",
-                      outcome="ok") == 1
+    assert bed.metric("kvcompose_proxy_requests_total", endpoint="completions", outcome="ok") == 1
 
 
 def _wait(predicate, timeout=5.0):
@@ -106,8 +122,14 @@ def test_unreachable_backends_are_a_503_naming_them(bed):
 def test_client_disconnect_mid_stream_aborts_on_decode(bed):
     bed.decode[0].token_delay = 0.05
     try:
-        with bed.client() as c, c.stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True}) as resp:
+        with (
+            bed.client() as c,
+            c.stream(
+                "POST",
+                "/v1/completions",
+                json={"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True},
+            ) as resp,
+        ):
             for line in resp.iter_lines():
                 if line.startswith("data: ") and '"text"' in line:
                     break  # one token came: leave
@@ -120,8 +142,9 @@ def test_client_disconnect_mid_stream_aborts_on_decode(bed):
 def test_client_disconnect_while_p_prefills_releases_the_handoff(bed):
     bed.prefill[0].fail_next(Fault("delay", seconds=0.5))
     with bed.client(timeout=0.2) as c, pytest.raises(httpx.ReadTimeout):
-        c.post("/v1/completions", json={"model": MODEL, "prompt": tokenize(PROMPT),
-                                        "max_tokens": 5})
+        c.post(
+            "/v1/completions", json={"model": MODEL, "prompt": tokenize(PROMPT), "max_tokens": 5}
+        )
     # P answers after the client left; the proxy gives the hand-off to a D to reject
     assert _wait(lambda: bed.fabric.released), "P still holds the hand-off"
     assert not bed.fabric.held
@@ -130,16 +153,29 @@ def test_client_disconnect_while_p_prefills_releases_the_handoff(bed):
 
 def test_concurrent_clients_with_faults_lose_and_duplicate_nothing(bed):
     prompts = [[(7 * i + j) % 997 + 3 for j in range(20 + i % 7)] for i in range(64)]
-    kinds = [Fault("drop", after=3), Fault("load_fail"), Fault("recomputed", after=5),
-             Fault("status", code=500), Fault("abort", after=1)]
+    kinds = [
+        Fault("drop", after=3),
+        Fault("load_fail"),
+        Fault("recomputed", after=5),
+        Fault("status", code=500),
+        Fault("abort", after=1),
+    ]
     for i in range(16):  # a fault every four requests or so
         bed.decode[i % 2].fail_next(kinds[i % len(kinds)])
 
     async def one(client: httpx.AsyncClient, ids: list[int]) -> list[int]:
         got: list[int] = []
-        async with client.stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": ids, "max_tokens": 16, "stream": True,
-                "return_token_ids": True}) as resp:
+        async with client.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": ids,
+                "max_tokens": 16,
+                "stream": True,
+                "return_token_ids": True,
+            },
+        ) as resp:
             assert resp.status_code == 200
             async for line in resp.aiter_lines():
                 if line.startswith("data: {"):
@@ -156,8 +192,19 @@ def test_concurrent_clients_with_faults_lose_and_duplicate_nothing(bed):
 
     results = asyncio.run(main())
     assert results == [reference(p, 16) for p in prompts]  # 0 lost, 0 duplicated
-    assert sum(bed.metric("kvcompose_proxy_retries_total", cause=c) for c in (
-        "stream_dropped", "decode_error", "recomputed", "decode_failed", "decode_abort")) >= 10
+    assert (
+        sum(
+            bed.metric("kvcompose_proxy_retries_total", cause=c)
+            for c in (
+                "stream_dropped",
+                "decode_error",
+                "recomputed",
+                "decode_failed",
+                "decode_abort",
+            )
+        )
+        >= 10
+    )
     assert not bed.fabric.held
 
 

@@ -14,10 +14,18 @@ IDS = tokenize(PROMPT)
 
 def _complete(bed, n=12, **extra):
     with bed.client() as c:
-        return stream(c, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": n,
-                                             "return_token_ids": True,
-                                             "stream_options": {"include_usage": True},
-                                             **extra})
+        return stream(
+            c,
+            "/v1/completions",
+            {
+                "model": MODEL,
+                "prompt": PROMPT,
+                "max_tokens": n,
+                "return_token_ids": True,
+                "stream_options": {"include_usage": True},
+                **extra,
+            },
+        )
 
 
 def _assert_exact(out, n=12, finish="length"):
@@ -26,8 +34,11 @@ def _assert_exact(out, n=12, finish="length"):
     assert out.token_ids == want
     assert out.text == detok(want)
     assert out.finish["finish_reason"] == finish
-    assert out.usage == {"prompt_tokens": len(IDS), "completion_tokens": n,
-                         "total_tokens": len(IDS) + n}
+    assert out.usage == {
+        "prompt_tokens": len(IDS),
+        "completion_tokens": n,
+        "total_tokens": len(IDS) + n,
+    }
     assert len({e["id"] for e in out.events}) == 1
 
 
@@ -44,14 +55,17 @@ def test_plain_handoff(bed):
     assert bed.metric("kvcompose_proxy_retries_total", cause="decode_error") == 0
 
 
-@pytest.mark.parametrize(("fault", "cause"), [
-    (Fault("load_fail"), "decode_error"),
-    (Fault("drop", after=5), "stream_dropped"),
-    (Fault("recomputed", after=4), "recomputed"),
-    (Fault("abort", after=3), "decode_abort"),
-    (Fault("status", code=500), "decode_failed"),
-    (Fault("drop", after=0), "decode_failed"),  # dropped before D's first event
-])
+@pytest.mark.parametrize(
+    ("fault", "cause"),
+    [
+        (Fault("load_fail"), "decode_error"),
+        (Fault("drop", after=5), "stream_dropped"),
+        (Fault("recomputed", after=4), "recomputed"),
+        (Fault("abort", after=3), "decode_abort"),
+        (Fault("status", code=500), "decode_failed"),
+        (Fault("drop", after=0), "decode_failed"),  # dropped before D's first event
+    ],
+)
 def test_decode_faults_are_continued_token_exact(bed, fault, cause):
     bed.decode[0].fail_next(fault)  # d1 is picked first; the retry goes to d2
     out = _complete(bed)
@@ -76,9 +90,16 @@ def test_chat_stream_is_seamless_across_a_drop(bed):
     bed.decode[1].fail_next(Fault("drop", after=3))
     messages = [{"role": "user", "content": "w1 w2 w3 w4"}]
     with bed.client() as c:
-        out = stream(c, "/v1/chat/completions", {"model": MODEL, "messages": messages,
-                                                  "max_completion_tokens": 9,
-                                                  "stream_options": {"include_usage": True}})
+        out = stream(
+            c,
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": messages,
+                "max_completion_tokens": 9,
+                "stream_options": {"include_usage": True},
+            },
+        )
     prompt = [1002, 1, 2, 3, 4, 1003]
     assert out.status == 200 and out.done
     roles = [c for c in out.chunks if c["choices"][0]["delta"].get("role")]
@@ -93,8 +114,10 @@ def test_non_streamed_answer_after_faults(bed):
     bed.decode[0].fail_next(Fault("load_fail"))
     bed.decode[1].fail_next(Fault("recomputed", after=2))
     with bed.client() as c:
-        resp = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
-                                               "max_tokens": 10, "return_token_ids": True})
+        resp = c.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "return_token_ids": True},
+        )
     data = resp.json()
     assert resp.status_code == 200, data
     choice = data["choices"][0]
@@ -138,8 +161,7 @@ def test_gives_up_with_a_clear_error(bed):
     for d in bed.decode:
         d.fail_next(*[Fault("load_fail")] * 4)
     with bed.client() as c:
-        resp = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
-                                               "max_tokens": 5})
+        resp = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 5})
     assert resp.status_code == 503
     msg = resp.json()["error"]["message"]
     assert "gave up after 4 attempts" in msg and "decode" in msg
