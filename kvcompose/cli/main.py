@@ -11,7 +11,8 @@ import sys
 from collections.abc import Sequence
 
 #: Subcommand modules (``kvcompose.cli.<name>_cmd``), in help order.
-COMMANDS: tuple[str, ...] = ("validate", "explain", "vllm_args", "convert", "schema", "bench")
+COMMANDS: tuple[str, ...] = ("validate", "explain", "vllm_args", "convert", "schema", "bench",
+                             "proxy")
 #: Commands whose module may be absent (another package or a later release adds them).
 OPTIONAL: frozenset[str] = frozenset({"bench"})
 

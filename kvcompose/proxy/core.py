@@ -1,0 +1,345 @@
+"""The attempt loop: one client request, as many prefill/decode attempts as it takes.
+
+The request is in token ids from the start (``GenerationRequest.prompt_ids``). Attempt *k*
+sends ``prompt_ids + delivered`` (every token id already given to the client) to a prefill
+engine with ``max_tokens: 1`` and ``do_remote_decode``, then the same ids with P's
+``kv_transfer_params`` to a decode engine, which streams the continuation. When D fails the
+request (an error event, e.g. a KV load failure under vLLM's default
+``kv_load_failure_policy: fail``), finishes it with ``stop_reason: "recomputed"``
+(vllm-ascend's recompute scheduler gives a request back that way), aborts it, or the stream
+breaks, the next attempt continues from the last delivered token. With greedy sampling the
+client's tokens are then those one engine would have produced in one go.
+
+Nothing here knows about HTTP frameworks: the front turns the events into OpenAI responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcompose.proxy.backends import Backend, BackendPool
+from kvcompose.proxy.config import ProxyConfig
+from kvcompose.proxy.metrics import ProxyMetrics
+from kvcompose.proxy.stops import StopStrings
+from kvcompose.proxy.transport import BackendError, Transport
+
+log = logging.getLogger("kvcompose.proxy")
+
+#: D's finish reasons that mean "not finished, try again" (vLLM: ``v1/engine/__init__.py``
+#: FINISH_REASON_STRINGS; "abort" is what an engine reports for a request it dropped).
+RETRY_FINISH = {"abort", "error"}
+#: vllm-ascend's D: ``finish_reason=STOP, new_token_ids=[], stop_reason="recomputed"``
+#: (``vllm_ascend/core/recompute_scheduler.py``, ``update_from_output``).
+RECOMPUTED = "recomputed"
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int | None
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)  # passed to the backends as is
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Finish:
+    finish_reason: str
+    stop_reason: int | str | None
+    prompt_tokens: int
+    completion_tokens: int
+    attempts: int
+
+
+class GenerationFailed(Exception):
+    """The request cannot be served: ``status`` is the HTTP status for the client."""
+
+    def __init__(self, status: int, message: str, body: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.body = body
+
+
+class _Retry(Exception):
+    def __init__(self, cause: str, detail: str) -> None:
+        super().__init__(detail)
+        self.cause = cause
+
+
+class Router:
+    """The proxy's core: backends, the HTTP transport, the policy, the metrics."""
+
+    def __init__(self, config: ProxyConfig, pool: BackendPool, transport: Transport,
+                 metrics: ProxyMetrics) -> None:  # fmt: skip
+        self.config = config
+        self.pool = pool
+        self.transport = transport
+        self.metrics = metrics
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ----------------------------------------------------------------- tokenizing
+
+    async def tokenize(self, body: dict[str, Any], request_id: str) -> list[int]:
+        """The prompt's token ids from a backend's ``/tokenize`` (any healthy one)."""
+        tried: set[str] = set()
+        last = "no healthy backend"
+        for _ in range(self.config.max_attempts):
+            backend = self.pool.pick("prefill", tried) or self.pool.pick("decode", tried)
+            if backend is None or backend.url in tried:
+                break
+            tried.add(backend.url)
+            try:
+                with backend.use():
+                    return await self.transport.tokenize(backend, body)
+            except BackendError as exc:
+                if exc.client_error:
+                    raise GenerationFailed(exc.status or 400, str(exc), exc.body) from exc
+                self.pool.mark_failed(backend, str(exc))
+                last = str(exc)
+                log.warning("req=%s tokenize failed: %s", request_id, exc)
+        raise GenerationFailed(503, f"cannot tokenize the prompt: {last}")
+
+    # ----------------------------------------------------------------- generation
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta | Finish]:
+        """Deltas as the client should see them, then one ``Finish``; or ``GenerationFailed``."""
+        delivered: list[int] = []
+        stops = StopStrings(req.stop, req.include_stop_str_in_output)
+        failures: list[str] = []
+        avoid: set[str] = set()  # backends that failed this request: tried last
+        attempt = 0
+        t0 = time.monotonic()
+        try:
+            while True:
+                remaining = None if req.max_tokens is None else req.max_tokens - len(delivered)
+                if remaining is not None and remaining <= 0:
+                    yield self._finish(req, delivered, "length", None, attempt)
+                    return
+                if attempt >= self.config.max_attempts:
+                    raise GenerationFailed(
+                        503,
+                        f"request {req.request_id}: gave up after {attempt} attempts "
+                        f"({len(delivered)} tokens delivered); last error: {failures[-1]}",
+                    )
+                attempt += 1
+                if failures:
+                    await asyncio.sleep(self.config.backoff(len(failures)))
+                try:
+                    async for item in self._attempt(
+                        req, attempt, delivered, stops, remaining, avoid
+                    ):
+                        yield item
+                        if isinstance(item, Finish):
+                            return
+                except _Retry as retry:
+                    failures.append(str(retry))
+                    self.metrics.retries.labels(cause=retry.cause).inc()
+                    log.warning(
+                        "req=%s attempt=%d %s: %s (%d tokens delivered)",
+                        req.request_id,
+                        attempt,
+                        retry.cause,
+                        retry,
+                        len(delivered),
+                    )
+        finally:
+            self.metrics.attempts.observe(attempt)
+            self.metrics.request_seconds.observe(time.monotonic() - t0)
+
+    @staticmethod
+    def _finish(
+        req: GenerationRequest,
+        delivered: list[int],
+        reason: str,
+        stop_reason: int | str | None,
+        attempts: int,
+    ) -> Finish:
+        return Finish(reason, stop_reason, len(req.prompt_ids), len(delivered), attempts)
+
+    async def _attempt(
+        self, req: GenerationRequest, attempt: int, delivered: list[int], stops: StopStrings,
+        remaining: int | None, avoid: set[str],
+    ) -> AsyncIterator[Delta | Finish]:  # fmt: skip
+        rid = f"{req.request_id}-{attempt}"
+        prompt = [*req.prompt_ids, *delivered]
+        params = await self._prefill(req, rid, prompt, attempt, avoid)
+
+        decode = self.pool.pick("decode", avoid)
+        if decode is None:
+            self._release_later(params, rid)
+            raise _Retry("no_decode", "no healthy decode backend")
+        body = {
+            **req.sampling, "model": req.model, "prompt": prompt, "stream": True,
+            "return_token_ids": True, "kv_transfer_params": params,
+            "request_id": f"{rid}-d", "min_tokens": max(0, req.min_tokens - len(delivered)),
+        }  # fmt: skip
+        if remaining is not None:
+            body["max_tokens"] = remaining
+        if stops.stops:
+            body["stop"] = stops.stops
+            body["include_stop_str_in_output"] = True
+        log.debug(
+            "req=%s attempt=%d decode on %s (%d prompt ids)",
+            req.request_id,
+            attempt,
+            decode.url,
+            len(prompt),
+        )
+        started = False
+        got = 0  # tokens this attempt delivered
+        t0 = time.monotonic()
+        try:
+            with decode.use():
+                async with contextlib.aclosing(self.transport.decode(decode, body)) as events:
+                    async for ev in events:
+                        started = True
+                        if ev.error is not None:
+                            raise _Retry(
+                                "decode_error",
+                                f"decode {decode.url}: {ev.error.get('message', ev.error)}",
+                            )
+                        if ev.finish_reason is not None and ev.stop_reason == RECOMPUTED:
+                            raise _Retry(
+                                "recomputed",
+                                f"decode {decode.url} gave the request "
+                                "back (stop_reason recomputed)",
+                            )
+                        if ev.finish_reason in RETRY_FINISH:
+                            raise _Retry(
+                                f"decode_{ev.finish_reason}",
+                                f"decode {decode.url} finished with {ev.finish_reason}",
+                            )
+                        if remaining is not None:
+                            ev.token_ids = ev.token_ids[: remaining - got]
+                        got += len(ev.token_ids)
+                        delivered.extend(ev.token_ids)
+                        text, match = stops.feed(ev.text)
+                        if text or ev.token_ids:
+                            yield Delta(text, ev.token_ids)
+                        if match is not None:
+                            yield self._finish(req, delivered, "stop", match.stop, attempt)
+                            return
+                        if ev.finish_reason is not None:
+                            tail = stops.flush()
+                            if tail:
+                                yield Delta(tail, [])
+                            yield self._finish(
+                                req, delivered, ev.finish_reason, ev.stop_reason, attempt
+                            )
+                            return
+            raise _Retry(
+                "stream_dropped", f"decode {decode.url}: the stream ended without a finish reason"
+            )
+        except BackendError as exc:
+            if exc.client_error:
+                raise GenerationFailed(exc.status or 400, str(exc), exc.body) from exc
+            avoid.add(decode.url)
+            if exc.kind != "status" or (exc.status or 0) >= 500:
+                self.pool.mark_failed(decode, str(exc))
+            if not started:
+                self._release_later(params, rid)
+            cause = "stream_dropped" if started else "decode_failed"
+            raise _Retry(cause, str(exc)) from exc
+        except _Retry:
+            avoid.add(decode.url)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away. D aborts a request whose connection closed, and its
+            # NIXL then frees P's blocks; a request that never reached D's engine cannot,
+            # so a hand-off D has not answered yet is released (a second notification
+            # for blocks already freed only makes P log an error line).
+            if not started:
+                self._release_later(params, rid)
+            raise
+        finally:
+            self.metrics.backend_seconds.labels(role="decode").observe(time.monotonic() - t0)
+
+    async def _prefill(self, req: GenerationRequest, rid: str, prompt: list[int],
+                       attempt: int, avoid: set[str]) -> dict[str, Any]:  # fmt: skip
+        backend = self.pool.pick("prefill", avoid)
+        if backend is None:
+            raise _Retry("no_prefill", "no healthy prefill backend")
+        body = {
+            **{k: v for k, v in req.sampling.items() if k not in ("stop_token_ids",)},
+            "model": req.model, "prompt": prompt, "max_tokens": 1, "min_tokens": 0,
+            "stream": False, "request_id": f"{rid}-p",
+            "kv_transfer_params": {"do_remote_decode": True},
+        }  # fmt: skip
+        t0 = time.monotonic()
+        # The prefill runs as its own task: when the client goes away while P is answering,
+        # the hand-off P prepared is still released instead of waiting for P's lease.
+        task = asyncio.ensure_future(self._call_prefill(backend, body))
+        try:
+            params = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._release_done(t, rid))
+            raise
+        except BackendError as exc:
+            if exc.client_error:
+                raise GenerationFailed(exc.status or 400, str(exc), exc.body) from exc
+            avoid.add(backend.url)
+            self.pool.mark_failed(backend, str(exc))
+            raise _Retry("prefill_failed", str(exc)) from exc
+        finally:
+            self.metrics.backend_seconds.labels(role="prefill").observe(time.monotonic() - t0)
+        log.debug("req=%s attempt=%d prefilled on %s", req.request_id, attempt, backend.url)
+        return params
+
+    async def _call_prefill(self, backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
+        with backend.use():
+            return await self.transport.prefill(backend, body)
+
+    # ----------------------------------------------------------------- releasing
+
+    def _release_done(self, task: asyncio.Future[dict[str, Any]], rid: str) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._release_later(task.result(), rid)
+
+    def _release_later(self, params: dict[str, Any], rid: str) -> None:
+        if not self.config.release_stale_handoffs:
+            return
+        task = asyncio.ensure_future(self.release(params, rid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def release(self, params: dict[str, Any], rid: str) -> bool:
+        """Have a healthy decode engine reject the hand-off, so P frees its blocks now."""
+        backend = self.pool.pick("decode")
+        if backend is None:
+            log.warning(
+                "req=%s no decode backend to release the hand-off; P keeps the "
+                "blocks until its kv_lease_duration",
+                rid,
+            )
+            self.metrics.releases.labels(outcome="no_backend").inc()
+            return False
+        try:
+            status = await self.transport.release(backend, params, f"{rid}-release")
+        except BackendError as exc:
+            log.warning("req=%s releasing the hand-off failed: %s", rid, exc)
+            self.metrics.releases.labels(outcome="failed").inc()
+            return False
+        log.info("req=%s hand-off released through %s (HTTP %d)", rid, backend.url, status)
+        self.metrics.releases.labels(outcome="sent").inc()
+        return True
+
+    async def drain(self) -> None:
+        """Wait for pending releases (at shutdown)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,282 @@
+"""The OpenAI-compatible surface: what clients may send, and the responses they get back.
+
+Requests are checked here (a 400 with a clear message for what the proxy cannot serve) and
+turned into a tokenize call and a :class:`~kvcompose.proxy.core.GenerationRequest`. Answers
+have the shapes of vLLM 0.32's own server (``completion/protocol.py`` and
+``chat_completion/protocol.py``: ``CompletionResponse``, ``CompletionStreamResponse``,
+``ChatCompletionResponse``, ``ChatCompletionStreamResponse``), with ``stop_reason`` and, when
+asked for with ``return_token_ids``, ``token_ids``/``prompt_token_ids``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvcompose.proxy.core import Delta, Finish, GenerationRequest
+
+Kind = Literal["completion", "chat"]
+
+#: Fields the proxy reads or owns; everything else goes to the backends unchanged.
+_OWN = {
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "include_stop_str_in_output",
+    "min_tokens",
+    "request_id",
+    "return_token_ids",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_special_tokens",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "use_beam_search",
+    "best_of",
+    "suffix",
+    "kv_transfer_params",
+    "tools",
+    "tool_choice",
+    "user",
+}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    min_tokens: int = Field(0, ge=0)
+    return_token_ids: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def check_common(self) -> None:
+        if self.n != 1:
+            raise BadRequest("n > 1 is not supported by the proxy", "n")
+        if self.kv_transfer_params is not None:
+            raise BadRequest("kv_transfer_params is set by the proxy, not by clients",
+                             "kv_transfer_params")  # fmt: skip
+        if self.use_beam_search:
+            raise BadRequest("beam search is not supported by the proxy", "use_beam_search")
+        if self.prompt_logprobs is not None:
+            raise BadRequest("prompt_logprobs is not supported by the proxy", "prompt_logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options can only be set when stream is true",
+                             "stream_options")  # fmt: skip
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    def passthrough(self) -> dict[str, Any]:
+        data = self.model_dump(exclude_unset=True)
+        return {k: v for k, v in data.items() if k not in _OWN}
+
+
+class CompletionBody(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)  # vLLM's and OpenAI's default
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    def check(self) -> None:
+        self.check_common()
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            if len(p) != 1:
+                raise BadRequest("a batch of prompts is not supported by the proxy; send one "
+                                 "request per prompt", "prompt")  # fmt: skip
+            self.prompt = p[0]
+        if self.prompt in ("", []):
+            raise BadRequest("prompt is empty", "prompt")
+        for name in ("echo", "logprobs", "suffix"):
+            if getattr(self, name) not in (None, False):
+                raise BadRequest(f"{name} is not supported by the proxy", name)
+        if self.best_of not in (None, 1):
+            raise BadRequest("best_of is not supported by the proxy", "best_of")
+
+    def tokenize_body(self, model: str) -> dict[str, Any] | None:
+        """The ``/tokenize`` request, or ``None`` when the prompt is token ids already."""
+        if isinstance(self.prompt, str):
+            return {"model": model, "prompt": self.prompt,
+                    "add_special_tokens": self.add_special_tokens}  # fmt: skip
+        return None
+
+    def max_new(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatBody(_Common):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not messages:
+            raise ValueError("messages must hold at least one message")
+        return messages
+
+    def check(self) -> None:
+        self.check_common()
+        if self.logprobs or self.top_logprobs:
+            raise BadRequest("logprobs are not supported by the proxy", "logprobs")
+        if self.tools:
+            raise BadRequest("tools are not supported by the proxy (tool-call parsing is not "
+                             "done on the token stream)", "tools")  # fmt: skip
+
+    def tokenize_body(self, model: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model, "messages": self.messages,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "add_special_tokens": self.add_special_tokens,
+        }  # fmt: skip
+        if self.chat_template is not None:
+            body["chat_template"] = self.chat_template
+        if self.chat_template_kwargs is not None:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
+        return body
+
+    def max_new(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+
+def generation_request(body: CompletionBody | ChatBody, request_id: str, model: str,
+                       prompt_ids: list[int]) -> GenerationRequest:  # fmt: skip
+    return GenerationRequest(
+        request_id=request_id, model=model, prompt_ids=prompt_ids, max_tokens=body.max_new(),
+        min_tokens=body.min_tokens, stop=body.stops(),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        sampling=body.passthrough(),
+    )  # fmt: skip
+
+
+class Formatter:
+    """Builds one response's chunks, or its whole body; one id, one creation time."""
+
+    def __init__(self, kind: Kind, request_id: str, model: str, token_ids: bool,
+                 prompt_ids: list[int]) -> None:  # fmt: skip
+        self.kind = kind
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.token_ids = token_ids
+        self.prompt_ids = prompt_ids
+        self._first = True
+
+    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        obj = (
+            ("chat.completion.chunk" if chunk else "chat.completion")
+            if self.kind == "chat"
+            else "text_completion"
+        )
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}  # fmt: skip
+
+    def role_chunk(self) -> dict[str, Any] | None:
+        """Chat streams open with the assistant's role (vLLM sends it before any token)."""
+        if self.kind != "chat":
+            return None
+        choice: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}  # fmt: skip
+        if self.token_ids:
+            choice["prompt_token_ids"] = self.prompt_ids
+            self._first = False
+        return self._envelope([choice], chunk=True)
+
+    def chunk(self, delta: Delta | None, finish: Finish | None = None) -> dict[str, Any]:
+        text = delta.text if delta else ""
+        choice: dict[str, Any] = {"index": 0}
+        if self.kind == "chat":
+            choice["delta"] = {"content": text} if text or not finish else {}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish.finish_reason if finish else None
+        choice["stop_reason"] = finish.stop_reason if finish else None
+        if self.token_ids:
+            choice["token_ids"] = list(delta.token_ids) if delta else []
+            if self._first:
+                choice["prompt_token_ids"] = self.prompt_ids
+                self._first = False
+        return self._envelope([choice], chunk=True)
+
+    def usage_chunk(self, finish: Finish) -> dict[str, Any]:
+        out = self._envelope([], chunk=True)
+        out["usage"] = usage(finish)
+        return out
+
+    def response(self, text: str, token_ids: list[int], finish: Finish) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=finish.finish_reason,
+                      stop_reason=finish.stop_reason)  # fmt: skip
+        if self.token_ids:
+            choice["token_ids"] = token_ids
+            choice["prompt_token_ids"] = self.prompt_ids
+        out = self._envelope([choice], chunk=False)
+        out["usage"] = usage(finish)
+        return out
+
+
+def usage(finish: Finish) -> dict[str, int]:
+    return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
+            "total_tokens": finish.prompt_tokens + finish.completion_tokens}  # fmt: skip
+
+
+def error_body(message: str, status: int, err_type: str | None = None,
+               param: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """vLLM's ``ErrorResponse`` (``serve/engine/protocol.py`` 79-87)."""
+    kinds = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    kind = err_type or kinds.get(status, "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

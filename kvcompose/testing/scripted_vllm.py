@@ -1,0 +1,368 @@
+"""A scripted stand-in for vLLM's OpenAI server in a P/D pair, with faults a test controls.
+
+It answers what the proxy calls, in vLLM 0.32's shapes: ``/tokenize`` (``serve/tokenize``),
+``/v1/completions`` as prefill (non-streamed, ``kv_transfer_params`` on the response,
+``completion/protocol.py`` 686-700) and as decode (SSE chunks with ``token_ids`` and
+``stop_reason``, ``completion/serving.py`` 395-443; a generation error is a
+``data: {"error": ...}`` event then ``[DONE]``, 497-503), the hand-off rejection of
+``generate/base/serving.py`` 271-303, ``/health`` and ``/v1/models``. The faults imitate
+what the proxy must survive: a 5xx, a KV load failure (vLLM's ``kv_load_failure_policy:
+fail``), vllm-ascend's recompute scheduler giving a request back (``finish_reason: "stop"``,
+``stop_reason: "recomputed"``, no tokens: ``vllm_ascend/core/recompute_scheduler.py``,
+``update_from_output``), a connection dropped mid-stream, a stall.
+
+The "model" is a deterministic function of the whole token sequence, so greedy output is
+well defined: :func:`reference` is what one engine produces in one go. A :class:`Fabric`
+plays NIXL: P keeps a hand-off's "blocks" until a D pulls them or is told to release them,
+and a D pulling blocks that are gone fails the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from kvcompose.proxy.app import SSEResponse
+
+MODEL = "scripted-tiny"
+ROLE_IDS = {"system": 1001, "user": 1002, "assistant": 1003}
+
+
+def next_token(seq: list[int]) -> int:
+    a, b = seq[-1] if seq else 0, seq[-2] if len(seq) > 1 else 0
+    return (a * 7 + b * 13 + len(seq) * 3 + 11) % 997 + 3
+
+
+def reference(prompt_ids: list[int], n: int) -> list[int]:
+    """Greedy output of the scripted model: what a single engine would produce."""
+    seq = list(prompt_ids)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt_ids) :]
+
+
+def detok(ids: list[int]) -> str:
+    return "".join(f" w{t}" for t in ids)
+
+
+def tokenize(text: str) -> list[int]:
+    return [
+        int(w[1:])
+        if w[:1] == "w" and w[1:].isdigit()
+        else int(hashlib.sha1(w.encode()).hexdigest(), 16) % 997 + 3
+        for w in text.split()
+    ]
+
+
+def chat_ids(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    ids: list[int] = []
+    for m in messages:
+        ids += [ROLE_IDS.get(m.get("role", "user"), 1002), *tokenize(str(m.get("content", "")))]
+    return ids + ([ROLE_IDS["assistant"]] if add_generation_prompt else [])
+
+
+@dataclass
+class Fabric:
+    """Hand-offs P holds (NIXL's ``_reqs_to_send``), by remote request id."""
+
+    held: dict[str, list[int]] = field(default_factory=dict)
+    released: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def hold(self, rid: str, prompt: list[int]) -> None:
+        with self.lock:
+            self.held[rid] = list(prompt)
+
+    def pull(self, rid: str) -> list[int] | None:
+        with self.lock:
+            return self.held.pop(rid, None)
+
+    def release(self, rid: str) -> None:
+        with self.lock:
+            if self.held.pop(rid, None) is not None:
+                self.released.append(rid)
+
+
+@dataclass
+class Fault:
+    """``kind``: "status" (answer ``code``), "load_fail", "recomputed" (after ``after``
+    tokens), "drop" (close the connection after ``after`` tokens), "abort" (finish_reason
+    abort after ``after`` tokens), "delay" (wait ``seconds`` first, then serve)."""
+
+    kind: str
+    after: int = 0
+    code: int = 500
+    seconds: float = 0.0
+
+
+class ScriptedVLLM:
+    """One scripted server (P or D: the request's ``kv_transfer_params`` decide)."""
+
+    def __init__(self, name: str, fabric: Fabric, token_delay: float = 0.0) -> None:
+        self.name = name
+        self.fabric = fabric
+        self.token_delay = token_delay
+        self.faults: list[Fault] = []
+        self.requests: list[dict[str, Any]] = []
+        self.active: set[str] = set()
+        self.aborted: list[str] = []
+        self.healthy = True
+        self.app = self._build()
+
+    def fail_next(self, *faults: Fault) -> None:
+        self.faults.extend(faults)
+
+    def _take_fault(self) -> Fault | None:
+        return self.faults.pop(0) if self.faults else None
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            return JSONResponse({}, status_code=200 if self.healthy else 503)
+
+        @app.get("/v1/models")
+        async def models() -> JSONResponse:
+            return JSONResponse(
+                {
+                    "object": "list",
+                    "data": [
+                        {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 4096}
+                    ],
+                }
+            )
+
+        @app.post("/tokenize")
+        async def tok(request: Request) -> JSONResponse:
+            body = await request.json()
+            if "messages" in body:
+                ids = chat_ids(body["messages"], body.get("add_generation_prompt", True))
+            else:
+                ids = tokenize(body["prompt"])
+            return JSONResponse(
+                {"count": len(ids), "max_model_len": 4096, "tokens": ids, "token_strs": None}
+            )
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Any:
+            body = await request.json()
+            self.requests.append(body)
+            params = body.get("kv_transfer_params") or {}
+            rid = body.get("request_id") or uuid.uuid4().hex
+            if (
+                params.get("do_remote_prefill")
+                and body.get("stream")
+                and body.get("use_beam_search")
+            ):
+                # generate/base/serving.py 271-303 + nixl/pull_scheduler.py 219-230
+                self.fabric.release(params["remote_request_id"])
+                return _err("Streaming is not currently supported with beam search", 400)
+            fault = self._take_fault()
+            if fault is not None and fault.kind == "delay":
+                await asyncio.sleep(fault.seconds)
+                fault = None
+            if fault is not None and fault.kind == "status":
+                return _err(f"{self.name}: scripted HTTP {fault.code}", fault.code)
+            prompt = body["prompt"]
+            if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+                return _err("the scripted server takes token-id prompts only", 400)
+            if params.get("do_remote_decode"):
+                return self._prefill(rid, prompt)
+            return SSEResponse(
+                self._decode(rid, body, params, fault), media_type="text/event-stream"
+            )
+
+        return app
+
+    def _prefill(self, rid: str, prompt: list[int]) -> JSONResponse:
+        handoff = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [[1, 2, 3]],
+            "remote_engine_id": self.name,
+            "remote_request_id": rid,
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "remote_num_tokens": len(prompt),
+            "transfer_mode": "pull",
+        }
+        self.fabric.hold(rid, prompt)
+        first = reference(prompt, 1)
+        return JSONResponse(
+            {
+                "id": f"cmpl-{rid}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": MODEL,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": detok(first),
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": 1,
+                    "total_tokens": len(prompt) + 1,
+                },
+                "kv_transfer_params": handoff,
+            }
+        )
+
+    async def _decode(
+        self, rid: str, body: dict[str, Any], params: dict[str, Any], fault: Fault | None
+    ) -> Any:
+        prompt: list[int] = body["prompt"]
+        max_tokens = body.get("max_tokens") or 64
+        stops = body.get("stop") or []
+        if isinstance(stops, str):
+            stops = [stops]
+        self.active.add(rid)
+        finished = False
+        try:
+            if params.get("do_remote_prefill"):
+                pulled = self.fabric.pull(params.get("remote_request_id", ""))
+                if pulled != prompt or (fault is not None and fault.kind == "load_fail"):
+                    # the engine ends the request with FINISHED_ERROR -> GenerationError
+                    yield _data(
+                        {
+                            "error": {
+                                "message": "Internal server error",
+                                "type": "InternalServerError",
+                                "param": None,
+                                "code": 500,
+                            }
+                        }
+                    )
+                    yield "data: [DONE]\n\n"
+                    finished = True
+                    return
+            seq, text = list(prompt), ""
+            for i in range(max_tokens):
+                if fault is not None and i == fault.after:
+                    if fault.kind == "drop":
+                        raise RuntimeError("scripted: connection dropped mid-stream")
+                    if fault.kind in ("recomputed", "abort"):
+                        reason = "stop" if fault.kind == "recomputed" else "abort"
+                        stop = "recomputed" if fault.kind == "recomputed" else None
+                        yield _data(_chunk(rid, "", [], reason, stop, body))
+                        yield "data: [DONE]\n\n"
+                        finished = True
+                        return
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                tok = next_token(seq)
+                seq.append(tok)
+                piece = detok([tok])
+                text += piece
+                hit = next((s for s in stops if s in text), None)
+                last = i == max_tokens - 1
+                reason = "stop" if hit else ("length" if last else None)
+                yield _data(_chunk(rid, piece, [tok], reason, hit, body))
+                if reason:
+                    break
+            usage = {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(seq) - len(prompt),
+                "total_tokens": len(seq),
+            }
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield _data(
+                    {
+                        "id": f"cmpl-{rid}",
+                        "object": "text_completion",
+                        "created": int(time.time()),
+                        "model": MODEL,
+                        "choices": [],
+                        "usage": usage,
+                    }
+                )
+            yield "data: [DONE]\n\n"
+            finished = True
+        finally:
+            self.active.discard(rid)
+            if not finished:
+                self.aborted.append(rid)
+
+
+def _chunk(
+    rid: str, text: str, ids: list[int], finish: str | None, stop: Any, body: dict[str, Any]
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": stop,
+    }
+    if body.get("return_token_ids"):
+        choice["token_ids"] = ids
+    return {
+        "id": f"cmpl-{rid}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": MODEL,
+        "choices": [choice],
+    }
+
+
+def _data(obj: dict[str, Any]) -> str:
+    import json
+
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _err(message: str, status: int) -> JSONResponse:
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}},
+        status_code=status,
+    )
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn on 127.0.0.1 in a thread of its own."""
+
+    def __init__(self, app: Any, port: int = 0) -> None:
+        self.config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=1,
+        )
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self, timeout: float = 20.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def url(self) -> str:
+        sock = self.server.servers[0].sockets[0]
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(RuntimeError):
+            self.thread.join(timeout=10)

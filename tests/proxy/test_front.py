@@ -1,0 +1,231 @@
+"""The proxy's HTTP surface against scripted vLLM servers: bad input, health, metrics,
+client disconnects (nothing held afterwards), and many concurrent clients with faults."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from proxy_sse import stream
+
+from kvcompose.proxy.backends import BackendPool
+from kvcompose.proxy.stops import StopStrings
+from kvcompose.testing.scripted_vllm import MODEL, Fault, detok, reference, tokenize
+
+PROMPT = " ".join(f"w{i}" for i in range(100, 140))
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "words"),
+    [
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "at least one message"),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+        ("/v1/completions", {"model": MODEL, "prompt": "w1", "n": 2}, 400, "n > 1"),
+        ("/v1/completions", {"model": MODEL, "prompt": "w1", "logprobs": 2}, 400, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "logprobs": True},
+            400,
+            "logprobs",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": ["w1", "w2"]}, 400, "batch"),
+        ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
+        ("/v1/completions", {"model": "nope", "prompt": "w1"}, 404, "does not exist"),
+        ("/v1/completions", {"model": MODEL, "prompt": "w1", "max_tokens": -1}, 400, "max_tokens"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "w1", "kv_transfer_params": {"do_remote_decode": True}},
+            400,
+            "proxy",
+        ),
+    ],
+)
+def test_bad_input_is_a_clear_error(bed, path, body, status, words):
+    with bed.client() as c:
+        resp = c.post(path, json=body)
+    assert resp.status_code == status
+    err = resp.json()["error"]
+    assert words in err["message"] and err["code"] == status
+    assert not [r for s in bed.all() for r in s.requests]  # nothing reached a backend
+
+
+def test_malformed_json_and_a_non_object(bed):
+    with bed.client() as c:
+        r1 = c.post(
+            "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+        )
+        r2 = c.post("/v1/completions", json=[1, 2])
+    assert r1.status_code == 400 and "not valid JSON" in r1.json()["error"]["message"]
+    assert r2.status_code == 400 and "JSON object" in r2.json()["error"]["message"]
+
+
+def test_models_health_metrics(bed):
+    with bed.client() as c:
+        assert c.get("/v1/models").json()["data"][0]["id"] == MODEL
+        assert c.get("/health").status_code == 200
+        c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        text = c.get("/metrics").text
+    for name in (
+        "kvcompose_proxy_requests_total",
+        "kvcompose_proxy_attempts_per_request",
+        "kvcompose_proxy_backend_seconds",
+        "kvcompose_proxy_in_flight",
+        "kvcompose_proxy_backend_healthy",
+        "kvcompose_proxy_retries_total",
+    ):
+        assert name in text
+    assert bed.metric("kvcompose_proxy_requests_total", endpoint="completions", outcome="ok") == 1
+
+
+def _wait(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_health_checks_take_a_backend_out_and_put_it_back(bed):
+    for d in bed.decode:
+        d.healthy = False
+    with bed.client() as c:
+        assert _wait(lambda: c.get("/health").status_code == 503)
+        down = c.get("/health").json()["down"]["decode"]
+        assert sorted(down) == sorted([bed.urls["d1"], bed.urls["d2"]])
+        bed.decode[1].healthy = True
+        assert _wait(lambda: c.get("/health").status_code == 200)
+        out = stream(c, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+    assert out.text == detok(reference(tokenize(PROMPT), 4))
+    assert bed.decode[1].requests and not bed.decode[0].requests
+
+
+def test_unreachable_backends_are_a_503_naming_them(bed):
+    from conftest import ProxyConfig, ServerThread, create_app
+
+    dead = "http://127.0.0.1:9"  # the discard port: nothing listens there
+    app = create_app(ProxyConfig(prefill=[dead], decode=[bed.urls["d1"]], backoff_s=0.01))
+    proxy = ServerThread(app).start()
+    try:
+        with httpx.Client(base_url=proxy.url, timeout=30) as c:
+            resp = c.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7]})
+            health = c.get("/health")
+    finally:
+        proxy.stop()
+    assert resp.status_code == 503
+    assert dead in resp.json()["error"]["message"] and "prefill" in resp.json()["error"]["message"]
+    assert health.status_code == 503 and health.json()["down"]["prefill"] == [dead]
+
+
+def test_client_disconnect_mid_stream_aborts_on_decode(bed):
+    bed.decode[0].token_delay = 0.05
+    try:
+        with (
+            bed.client() as c,
+            c.stream(
+                "POST",
+                "/v1/completions",
+                json={"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True},
+            ) as resp,
+        ):
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and '"text"' in line:
+                    break  # one token came: leave
+        assert _wait(lambda: bed.decode[0].aborted), "D kept generating for a client gone"
+    finally:
+        bed.decode[0].token_delay = 0.002
+    assert not bed.fabric.held
+
+
+def test_client_disconnect_while_p_prefills_releases_the_handoff(bed):
+    bed.prefill[0].fail_next(Fault("delay", seconds=0.5))
+    with bed.client(timeout=0.2) as c, pytest.raises(httpx.ReadTimeout):
+        c.post(
+            "/v1/completions", json={"model": MODEL, "prompt": tokenize(PROMPT), "max_tokens": 5}
+        )
+    # P answers after the client left; the proxy gives the hand-off to a D to reject
+    assert _wait(lambda: bed.fabric.released), "P still holds the hand-off"
+    assert not bed.fabric.held
+    assert not [r for s in bed.decode for r in s.requests if not r.get("use_beam_search")]
+
+
+def test_concurrent_clients_with_faults_lose_and_duplicate_nothing(bed):
+    prompts = [[(7 * i + j) % 997 + 3 for j in range(20 + i % 7)] for i in range(64)]
+    kinds = [
+        Fault("drop", after=3),
+        Fault("load_fail"),
+        Fault("recomputed", after=5),
+        Fault("status", code=500),
+        Fault("abort", after=1),
+    ]
+    for i in range(16):  # a fault every four requests or so
+        bed.decode[i % 2].fail_next(kinds[i % len(kinds)])
+
+    async def one(client: httpx.AsyncClient, ids: list[int]) -> list[int]:
+        got: list[int] = []
+        async with client.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": ids,
+                "max_tokens": 16,
+                "stream": True,
+                "return_token_ids": True,
+            },
+        ) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    import json
+
+                    for ch in json.loads(line[6:]).get("choices", ()):
+                        got.extend(ch.get("token_ids") or ())
+        return got
+
+    async def main() -> list[list[int]]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=bed.proxy_url, timeout=60, limits=limits) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    results = asyncio.run(main())
+    assert results == [reference(p, 16) for p in prompts]  # 0 lost, 0 duplicated
+    assert (
+        sum(
+            bed.metric("kvcompose_proxy_retries_total", cause=c)
+            for c in (
+                "stream_dropped",
+                "decode_error",
+                "recomputed",
+                "decode_failed",
+                "decode_abort",
+            )
+        )
+        >= 10
+    )
+    assert not bed.fabric.held
+
+
+def test_stop_strings_unit():
+    s = StopStrings(["abc"], include_in_output=False)
+    assert s.feed("xxa") == ("x", None)  # "xa" might start "abc": withheld
+    assert s.feed("b") == ("x", None)
+    out, match = s.feed("cyy")
+    assert out == "" and match is not None and match.stop == "abc"
+    assert s.text[: s.emitted] == "xx"
+    s = StopStrings(["abc"], include_in_output=True)
+    assert s.feed("xxab")[0] == "xxab" and s.feed("cd")[0] == "c"
+
+
+def test_pick_least_outstanding_prefers_backends_not_failed():
+    pool = BackendPool.from_urls(["http://p1", "http://p2"], ["http://d1"])
+    a, b = pool.prefill
+    a.outstanding = 2
+    assert pool.pick("prefill") is b
+    assert pool.pick("prefill", {b.url}) is a
+    pool.mark_failed(a, "x")
+    assert pool.pick("prefill", {b.url}) is b  # the only healthy one
+    pool.mark_failed(b, "y")
+    assert pool.pick("prefill") is a  # none healthy: the one that failed longest ago
