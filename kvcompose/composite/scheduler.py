@@ -395,13 +395,16 @@ class CompositeScheduler(SchedulerForwarding):
         # aborted while loading: the owner's receive still comes, and is the owner's
         loading = record.owner if record is not None and record.state is LoadState.LOADING else None
         if first_error is not None:
-            self.finishes.finished(req_id, loading, ())
+            if loading is not None:
+                self.finishes.finished(req_id, loading, ())
             raise first_error
-        senders = tuple(sorted(delaying)) if delaying else ()
-        if senders:
-            self._step_sends[req_id] = senders
-        self.finishes.finished(req_id, loading, senders)
-        return bool(senders), merged
+        if delaying:
+            senders = self._step_sends[req_id] = tuple(sorted(delaying))
+            self.finishes.finished(req_id, loading, senders)
+            return True, merged
+        if loading is not None:
+            self.finishes.finished(req_id, loading, ())
+        return False, merged
 
     def _merge_params(
         self,
