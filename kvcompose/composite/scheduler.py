@@ -311,27 +311,19 @@ class CompositeScheduler(SchedulerForwarding):
                 held_sends.append(req_id)
             for child in senders:
                 sent_by.setdefault(child, set()).add(req_id)
+        metas = worker_meta.children if isinstance(worker_meta, ComposedWorkerMeta) else None
+        child_events = events.children if isinstance(events, ComposedKVEvents) else None
         for i in range(num_children):
             mine = recv_by.get(i, set())
-            call(
-                i,
-                "update_connector_output",
-                None,
-                dataclasses.replace(
-                    connector_output,
-                    finished_recving=mine or None,
-                    failed_recving=mine & failed,
-                    finished_sending=sent_by.get(i) or None,
-                    kv_connector_worker_meta=(
-                        worker_meta.children[i]
-                        if isinstance(worker_meta, ComposedWorkerMeta)
-                        else None
-                    ),
-                    kv_cache_events=(
-                        events.children[i] if isinstance(events, ComposedKVEvents) else None
-                    ),
-                ),
+            view = dataclasses.replace(
+                connector_output,
+                finished_recving=mine or None,
+                failed_recving=mine & failed,
+                finished_sending=sent_by.get(i) or None,
+                kv_connector_worker_meta=None if metas is None else metas[i],
+                kv_cache_events=None if child_events is None else child_events[i],
             )
+            call(i, "update_connector_output", None, view)
         if held_recvs or held_sends:
             _one_terminal_signal(connector_output, held_recvs, held_sends, released_sends)
 
@@ -342,17 +334,12 @@ class CompositeScheduler(SchedulerForwarding):
         block_ids: tuple[list[int], ...],
         partial_tail_offloads: list[tuple[int, int, int]],
     ) -> bool:
+        args = (request, block_ids, partial_tail_offloads)
+        call = self.children.call
         accepted = {
             i
             for i in range(len(self.children.connectors))
-            if self.children.call(
-                i,
-                "register_finished_partial_tail",
-                False,
-                request,
-                block_ids,
-                partial_tail_offloads,
-            )
+            if call(i, "register_finished_partial_tail", False, *args)
         }
         if accepted:
             self._partial_tails[request.request_id] = accepted
