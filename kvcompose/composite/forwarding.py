@@ -26,6 +26,8 @@ class SchedulerForwarding:
         self.name = name
         self.children = children
         self.guard = children.guard
+        self._connectors = children.connectors  # read every step: one attribute, not two
+        self._call = children.call
         self._world_size = world_size
 
     def take_events(self) -> Iterable[KVCacheEvent]:

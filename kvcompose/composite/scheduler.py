@@ -145,7 +145,6 @@ class CompositeScheduler(SchedulerForwarding):
         longest = self._longest
         # what each child answered, kept only for the debug decision record
         trace: list[str] | None = [] if self._debug else None
-        names = self.children.names
         best: tuple[int, int, bool] | None = None  # (child, tokens, async)
         pending = False
         timeouts: list[int] = []
@@ -155,7 +154,7 @@ class CompositeScheduler(SchedulerForwarding):
                 continue
             if child in excluded:
                 if trace is not None:
-                    trace.append(f"{names[child]}=excluded(failed)")
+                    trace.append(f"{self.children.names[child]}=excluded(failed)")
                 continue
             try:
                 result = self._lookups[child](request, num_computed_tokens)
@@ -172,7 +171,8 @@ class CompositeScheduler(SchedulerForwarding):
             else:
                 tokens, is_async = self.guard.normalise_lookup(child, result)
             if trace is not None:
-                trace.append(f"{names[child]}={tokens}{'a' if is_async and tokens else ''}")
+                mark = "a" if is_async and tokens else ""
+                trace.append(f"{self.children.names[child]}={tokens}{mark}")
             if tokens is None:
                 if timed_out:
                     timeouts.append(child)
@@ -207,7 +207,7 @@ class CompositeScheduler(SchedulerForwarding):
                 self.name,
                 req_id,
                 ", ".join(trace),
-                "none" if owner is None else names[owner],
+                "none" if owner is None else self.children.names[owner],
                 tokens,
                 " async" if is_async else "",
                 reason,
@@ -262,7 +262,7 @@ class CompositeScheduler(SchedulerForwarding):
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CompositeMetadata:
         self._debug = logger.isEnabledFor(logging.DEBUG)
-        children = tuple(c.build_connector_meta(scheduler_output) for c in self.children.connectors)
+        children = tuple(c.build_connector_meta(scheduler_output) for c in self._connectors)
         metadata = CompositeMetadata(
             children, self._step_loads, self._step_sync_loads, self._step_sends
         )
@@ -283,8 +283,8 @@ class CompositeScheduler(SchedulerForwarding):
             self.ledger.exclude_owners_of_blocks(connector_output.invalid_block_ids)
         worker_meta = connector_output.kv_connector_worker_meta
         events = connector_output.kv_cache_events
-        call = self.children.call
-        num_children = len(self.children.connectors)
+        call = self._call
+        num_children = len(self._connectors)
         if not (recv or failed or sent or worker_meta or events):
             for i in range(num_children):  # nothing to attribute: one shared view
                 call(i, "update_connector_output", None, connector_output)
