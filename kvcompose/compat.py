@@ -16,10 +16,11 @@ accepted here. The class supports HMA like upstream's; vLLM checks the children.
 
 from __future__ import annotations
 
-from kvcompose.composite import CompositeConnectorHMA
+from kvcompose.composite.node import CompositeConnectorHMA
+from kvcompose.connector import ReadsUserConfig
 
 
-class MultiConnector(CompositeConnectorHMA):
+class MultiConnector(ReadsUserConfig, CompositeConnectorHMA):
     """kvcompose's composite under the class name vLLM special-cases."""
 
 

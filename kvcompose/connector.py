@@ -6,8 +6,10 @@
      "kv_role": "kv_both", "kv_connector_extra_config": {...}}
 
 where the extra config holds a tree (inline, as a file path, or in vLLM MultiConnector's
-``{"connectors": [...]}`` form; see ``kvcompose.config``). It is a ``CompositeConnector`` and
-nothing more: the same class serves every nested composite node.
+``{"connectors": [...]}`` form; see ``kvcompose.config``). It is a ``CompositeConnector`` that
+also reads user configs: this module sits above both the runtime (``kvcompose.composite``,
+which reads only pre-validated trees) and the config reader. The same class serves every
+nested composite node, which gets its subtree pre-validated.
 
 vLLM decides HMA support per *class* before any instance exists, so there are two classes:
 ``KVCompose`` (vLLM turns the hybrid KV cache manager off for it) and ``KVComposeHMA``, for
@@ -16,14 +18,31 @@ trees whose children all support HMA (it refuses to start otherwise, naming the 
 
 from __future__ import annotations
 
-from kvcompose.composite import CompositeConnector, CompositeConnectorHMA
+from collections.abc import Mapping
+from typing import Any
+
+from kvcompose import tree as nodes
+from kvcompose.composite.node import CompositeConnector, CompositeConnectorHMA, as_composite
 
 
-class KVCompose(CompositeConnector):
+class ReadsUserConfig:
+    """Reads the tree from a user config (validated by ``kvcompose.config``) when the extra
+    config does not already hold a pre-validated one."""
+
+    @classmethod
+    def tree_from_config(cls, extra_config: Mapping[str, Any]) -> nodes.Composite:
+        if nodes.TREE_KEY in extra_config:
+            return super().tree_from_config(extra_config)  # type: ignore[misc]
+        from kvcompose.config import tree_from_extra_config
+
+        return as_composite(tree_from_extra_config(extra_config))
+
+
+class KVCompose(ReadsUserConfig, CompositeConnector):
     """A kvcompose tree as one vLLM KV connector."""
 
 
-class KVComposeHMA(CompositeConnectorHMA):
+class KVComposeHMA(ReadsUserConfig, CompositeConnectorHMA):
     """A kvcompose tree as one vLLM KV connector that supports the hybrid KV cache manager."""
 
 

@@ -1,4 +1,4 @@
-"""From user input (files, dicts, ``kv_connector_extra_config``) to validated node specs."""
+"""From user input (files, dicts, ``kv_connector_extra_config``) to a validated tree."""
 
 from __future__ import annotations
 

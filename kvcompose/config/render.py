@@ -1,4 +1,4 @@
-"""Writing configs out: vLLM arguments, YAML documents, documents from specs."""
+"""Writing configs out: vLLM arguments and YAML documents."""
 
 from __future__ import annotations
 

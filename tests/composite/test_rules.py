@@ -8,7 +8,7 @@ from pathlib import Path
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
 from kvcompose.composite import CompositeConnector, CompositeConnectorHMA
-from kvcompose.rules import RULES, Rule, public_members
+from kvcompose.composite.rules import RULES, Aggregation, public_members
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "concepts.md"
 
@@ -26,7 +26,7 @@ def test_every_ruled_member_is_implemented_by_the_composite() -> None:
     """Each member is defined by the composite itself, never silently inherited."""
     own = {name for klass in (CompositeConnector, CompositeConnectorHMA) for name in vars(klass)}
     inherited_ok = {name for name, (rule, _) in RULES.items()
-                    if rule in (Rule.OWN, Rule.PRIVATE)}
+                    if rule in (Aggregation.OWN, Aggregation.PRIVATE)}
     missing = sorted(set(RULES) - own - inherited_ok)
     assert not missing, f"members with a rule but no composite implementation: {missing}"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcompose.guard import ContractViolation
+from kvcompose.composite.guard import ContractViolation
 from kvcompose.testing.scripted import Behaviour, leaf, script
 from kvcompose.testing.trees import chain, kvcompose_config, multiconnector_config, prompt
 
@@ -478,7 +478,7 @@ def test_stats_are_keyed_by_node_name(harness):
 
 # ------------------------------------------------------------------------------- HMA
 def test_hma_variant_refuses_children_without_hma_support(harness):
-    from kvcompose.children import ChildConfigError
+    from kvcompose.composite.children import ChildConfigError
 
     script("a", Behaviour())
     config = kvcompose_config(chain("root", leaf("a")))
@@ -507,7 +507,7 @@ def test_no_second_lookup_after_an_async_load_completed(harness):
 
 
 def test_a_child_whose_lookups_keep_failing_is_taken_out_of_lookups(harness):
-    from kvcompose.guard import MAX_LOOKUP_ERRORS
+    from kvcompose.composite.guard import MAX_LOOKUP_ERRORS
 
     a = script("a", Behaviour(tokens=32, raise_in=frozenset({"get_num_new_matched_tokens"})))
     script("b", Behaviour(tokens=16))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompose import tree as specs
+from kvcompose import tree as nodes
 from kvcompose.config import (
     ConfigError,
     config_from_extra_config,
@@ -34,22 +34,22 @@ def tree_file(tmp_path: Path) -> str:
     return str(path)
 
 
-def leaf(tree: specs.Node, name: str) -> specs.Leaf:
-    found = [n for _, n in specs.walk(tree) if n.name == name]
-    assert found and isinstance(found[0], specs.Leaf)
+def leaf(tree: nodes.Node, name: str) -> nodes.Leaf:
+    found = [n for _, n in nodes.walk(tree) if n.name == name]
+    assert found and isinstance(found[0], nodes.Leaf)
     return found[0]
 
 
 def test_internal_tree_key_form() -> None:
-    tree = specs.Chain(name="c", children=(specs.Leaf(name="a", connector="X"),))
-    got = tree_from_extra_config({specs.TREE_KEY: specs.dump_node(tree), "strict": True},
+    tree = nodes.Chain(name="c", children=(nodes.Leaf(name="a", connector="X"),))
+    got = tree_from_extra_config({nodes.TREE_KEY: nodes.dump_node(tree), "strict": True},
                                  env={"KVCOMPOSE_SET": "a.save=false"})
     assert got == tree  # pre-validated: no checks, no overrides
 
 
 def test_internal_tree_key_form_broken() -> None:
     with pytest.raises(ConfigError, match="malformed internal tree"):
-        tree_from_extra_config({specs.TREE_KEY: {"kind": "chain"}})
+        tree_from_extra_config({nodes.TREE_KEY: {"kind": "chain"}})
 
 
 def test_config_path_form(tree_file: str) -> None:
@@ -74,13 +74,13 @@ def test_multiconnector_form() -> None:
         {"kv_connector": "MyConnector", "kv_connector_module_path": "my.mod",
          "kv_role": "kv_consumer", "kv_port": 5000},
     ]}, env={}, check_vllm=False)
-    assert tree == specs.Chain(name="chain", policy="first", children=(
-        specs.Leaf(name="ExampleConnector", connector="ExampleConnector",
+    assert tree == nodes.Chain(name="chain", policy="first", children=(
+        nodes.Leaf(name="ExampleConnector", connector="ExampleConnector",
                        extra_config={"shared_storage_path": "/a"},
                        kv_role="kv_both"),
-        specs.Leaf(name="ExampleConnector-2", connector="ExampleConnector",
+        nodes.Leaf(name="ExampleConnector-2", connector="ExampleConnector",
                        kv_role="kv_both", engine_id="e2", kv_buffer_device="cpu"),
-        specs.Leaf(name="MyConnector", connector="MyConnector", module_path="my.mod",
+        nodes.Leaf(name="MyConnector", connector="MyConnector", module_path="my.mod",
                        kv_role="kv_consumer", kv_port=5000),
     ))
 
@@ -92,9 +92,9 @@ def test_multiconnector_form_nested() -> None:
          "kv_connector_extra_config": {"connectors": [
              {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}]}},
     ]}, env={}, check_vllm=False)
-    assert isinstance(tree, specs.Chain)
+    assert isinstance(tree, nodes.Chain)
     nested = tree.children[1]
-    assert isinstance(nested, specs.Chain) and nested.name == "chain-2"
+    assert isinstance(nested, nodes.Chain) and nested.name == "chain-2"
     assert nested.children[0].name == "ExampleConnector"
 
 

@@ -10,7 +10,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcompose import tree as specs
+from kvcompose import tree as nodes
 from kvcompose.config import ConfigError, effective_saves, load_config, load_tree
 from kvcompose.config.document import document_from_tree
 
@@ -44,13 +44,13 @@ def write(tmp_path: Path, text: str, name: str = "tree.yaml") -> str:
 
 def test_yaml_file_becomes_spec(tmp_path: Path) -> None:
     tree = load_tree(write(tmp_path, TIERS), env={}, check_vllm=False)
-    assert tree == specs.Chain(
+    assert tree == nodes.Chain(
         name="tiers", policy="longest", lookup_timeout_s=5.0,
         children=(
-            specs.Leaf(name="ram", connector="ExampleConnector",
+            nodes.Leaf(name="ram", connector="ExampleConnector",
                            extra_config={"shared_storage_path": "/dev/shm/kv"},
                            kv_role="kv_both", kv_buffer_device="cpu"),
-            specs.Leaf(name="disk", connector="ExampleConnector",
+            nodes.Leaf(name="disk", connector="ExampleConnector",
                            extra_config={"shared_storage_path": "/var/kv"},
                            kv_role="kv_both", kv_buffer_device="cuda",
                            save=False, on_error="fail"),
@@ -75,7 +75,7 @@ def test_path_objects(tmp_path: Path) -> None:
 
 def test_bare_node_is_a_tree() -> None:
     tree = load_tree({"leaf": {"connector": "ExampleConnector"}}, env={}, check_vllm=False)
-    assert tree == specs.Leaf(name="ExampleConnector", connector="ExampleConnector")
+    assert tree == nodes.Leaf(name="ExampleConnector", connector="ExampleConnector")
 
 
 def test_default_names_are_unique_and_skip_explicit_ones() -> None:
@@ -85,7 +85,7 @@ def test_default_names_are_unique_and_skip_explicit_ones() -> None:
         {"leaf": {"name": "ExampleConnector-3", "connector": "NixlConnector"}},
         {"chain": {"children": [{"leaf": {"connector": "ExampleConnector"}}]}},
     ]}}}, env={}, check_vllm=False)
-    names = [node.name for _, node in specs.walk(tree)]
+    names = [node.name for _, node in nodes.walk(tree)]
     assert names == ["chain", "ExampleConnector", "ExampleConnector-2", "ExampleConnector-3",
                      "chain-2", "ExampleConnector-4"]
 
@@ -103,15 +103,15 @@ def test_route_and_fanout_fields() -> None:
                 {"leaf": {"name": "a", "connector": "ExampleConnector"}},
                 {"leaf": {"name": "b", "connector": "ExampleConnector"}}]}}]}}},
         env={}, check_vllm=False)
-    assert isinstance(tree, specs.Route)
-    assert tree.rules[0] == specs.RouteRule(child="nixl", param="do_remote_prefill",
+    assert isinstance(tree, nodes.Route)
+    assert tree.rules[0] == nodes.RouteRule(child="nixl", param="do_remote_prefill",
                                             equals=None)
     assert tree.rules[0].has_equals
     assert tree.rules[1].has_equals is False
-    assert tree.rules[2] == specs.RouteRule(child="cache", min_prompt_tokens=10,
+    assert tree.rules[2] == nodes.RouteRule(child="cache", min_prompt_tokens=10,
                                             max_prompt_tokens=20, predicate="pkg.mod:fn")
     fanout = tree.children[1]
-    assert isinstance(fanout, specs.Fanout) and fanout.load_from == "a"
+    assert isinstance(fanout, nodes.Fanout) and fanout.load_from == "a"
 
 
 def test_top_level_fields_are_inherited_and_leaf_fields_win() -> None:
@@ -209,7 +209,7 @@ SCALARS = st.one_of(st.integers(-5, 5), st.booleans(), st.text("abc/", max_size=
 
 
 @st.composite
-def trees(draw: st.DrawFn, depth: int = 0) -> specs.Node:
+def trees(draw: st.DrawFn, depth: int = 0) -> nodes.Node:
     names: set[str] = draw(st.shared(st.builds(set), key="names"))  # one set per example
 
     def fresh() -> str:
@@ -222,7 +222,7 @@ def trees(draw: st.DrawFn, depth: int = 0) -> specs.Node:
         fields = draw(st.dictionaries(st.sampled_from(["kv_role", "engine_id"]),
                                       st.sampled_from(["kv_both", "kv_producer"]), max_size=2))
         future = draw(st.dictionaries(st.just("future"), st.integers(0, 3), max_size=1))
-        return specs.Leaf(
+        return nodes.Leaf(
             name=fresh(),
             connector=draw(st.sampled_from(["ExampleConnector", "OffloadingConnector"])),
             module_path=draw(st.one_of(st.none(), st.just("my.mod"))),
@@ -235,28 +235,28 @@ def trees(draw: st.DrawFn, depth: int = 0) -> specs.Node:
     timeout = draw(st.floats(0.5, 100))
     kind = draw(st.sampled_from(["chain", "fanout", "route"]))
     if kind == "chain":
-        return specs.Chain(name=name, children=children, lookup_timeout_s=timeout,
+        return nodes.Chain(name=name, children=children, lookup_timeout_s=timeout,
                                policy=draw(st.sampled_from(["first", "longest"])), **common)
     if kind == "fanout":
-        return specs.Fanout(name=name, children=children, lookup_timeout_s=timeout,
+        return nodes.Fanout(name=name, children=children, lookup_timeout_s=timeout,
                                 load_from=draw(st.one_of(st.none(), st.sampled_from(child_names))),
                                 **common)
-    rules = tuple(specs.RouteRule(child=draw(st.sampled_from(child_names)),
+    rules = tuple(nodes.RouteRule(child=draw(st.sampled_from(child_names)),
                                   param=draw(st.sampled_from(["p", "q"])),
                                   **({"equals": draw(SCALARS)} if draw(st.booleans()) else {}))
                   for _ in range(draw(st.integers(0, 2))))
-    return specs.Route(name=name, children=children, lookup_timeout_s=timeout,
+    return nodes.Route(name=name, children=children, lookup_timeout_s=timeout,
                            default=draw(st.sampled_from(child_names)), rules=rules, **common)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trees())
-def test_spec_document_spec_round_trip(tree: specs.Node) -> None:
-    canonical = specs.dump_node(tree)  # compared as dumps: they tell a set ``equals: null``
+def test_spec_document_spec_round_trip(tree: nodes.Node) -> None:
+    canonical = nodes.dump_node(tree)  # compared as dumps: they tell a set ``equals: null``
     document = document_from_tree(tree)
-    assert specs.dump_node(load_tree(document, env={}, check_vllm=False)) == canonical
+    assert nodes.dump_node(load_tree(document, env={}, check_vllm=False)) == canonical
     # and through YAML text
     again = load_tree(yaml.safe_load(yaml.safe_dump(document)), env={}, check_vllm=False)
-    assert specs.dump_node(again) == canonical
+    assert nodes.dump_node(again) == canonical
     # and the canonical dict form the composite hands down
-    assert specs.dump_node(specs.parse_node(canonical)) == canonical
+    assert nodes.dump_node(nodes.parse_node(canonical)) == canonical

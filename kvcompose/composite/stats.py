@@ -16,16 +16,23 @@ from __future__ import annotations
 
 import importlib
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
 
-if TYPE_CHECKING:
-    from kvcompose.composite import CompositeConnector
+
+class StatsSource(Protocol):
+    """What ``ComposedStats.collect`` reads of a node's children (``Children`` is one)."""
+
+    names: list[str]
+    connectors: Sequence[Any]
+
+    def call(self, child: int, method: str, default: Any) -> Any: ...
 
 
 class NodeCounters:
@@ -59,8 +66,7 @@ class NodeCounters:
         previous = self._drained
         if self.totals == previous:
             return {}
-        out = {k: v - previous.get(k, 0) for k, v in self.totals.items()
-               if v != previous.get(k, 0)}
+        out = {k: v - previous.get(k, 0) for k, v in self.totals.items() if v != previous.get(k, 0)}
         self._drained = dict(self.totals)
         return out
 
@@ -78,18 +84,21 @@ def _rebuild(path: str, data: dict[str, Any]) -> KVConnectorStats | None:
 @dataclass
 class ComposedStats(KVConnectorStats):
     @classmethod
-    def collect(cls, node: CompositeConnector) -> ComposedStats | None:
-        """The node's stats since the last collection; None when there are none."""
-        children: dict[str, dict[str, Any]] = {}
-        for i, child in enumerate(node.children):
-            stats = node._call(i, "get_kv_connector_stats", None)
+    def collect(
+        cls, node: str, children: StatsSource, counters: NodeCounters
+    ) -> ComposedStats | None:
+        """Node ``node``'s stats since the last collection; None when there are none."""
+        by_child: dict[str, dict[str, Any]] = {}
+        for i, (name, connector) in enumerate(
+            zip(children.names, children.connectors, strict=True)
+        ):
+            stats = children.call(i, "get_kv_connector_stats", None)
             if stats is not None and not stats.is_empty():
-                children[child.name] = {"cls": class_path(type(child.connector)),
-                                        "data": stats.to_dict()}
-        counters = node.counters.drain()
-        if not counters and not children:
+                by_child[name] = {"cls": class_path(type(connector)), "data": stats.to_dict()}
+        drained = counters.drain()
+        if not drained and not by_child:
             return None
-        return cls(data={"node": node.name, "counters": counters, "children": children})
+        return cls(data={"node": node, "counters": drained, "children": by_child})
 
     @property
     def counters(self) -> dict[str, int]:
@@ -119,8 +128,7 @@ class ComposedStats(KVConnectorStats):
             else:
                 children[name] = {"cls": mine["cls"], "data": rebuilt.aggregate(theirs).to_dict()}
         node = self.data.get("node") or other.data.get("node")
-        return ComposedStats(data={"node": node, "counters": dict(counters),
-                                   "children": children})
+        return ComposedStats(data={"node": node, "counters": dict(counters), "children": children})
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = dict(self.counters)
@@ -150,14 +158,30 @@ class ComposedStats(KVConnectorStats):
 PROM_COUNTERS = (
     ("lookups", "vllm:kvcompose_lookups", (), "Lookups decided by a kvcompose node."),
     ("hits", "vllm:kvcompose_hits", ("child",), "Loads a kvcompose node gave to a child."),
-    ("hit_tokens", "vllm:kvcompose_hit_tokens", ("child",),
-     "Tokens a kvcompose node's children were chosen to load."),
-    ("lookup_timeouts", "vllm:kvcompose_lookup_timeouts", ("child",),
-     "Children still answering None at a kvcompose node's lookup deadline."),
-    ("violations", "vllm:kvcompose_contract_violations", ("child", "kind"),
-     "vLLM connector-contract violations by a kvcompose node's children."),
-    ("errors", "vllm:kvcompose_child_errors", ("child", "where"),
-     "Exceptions raised by a kvcompose node's children."),
+    (
+        "hit_tokens",
+        "vllm:kvcompose_hit_tokens",
+        ("child",),
+        "Tokens a kvcompose node's children were chosen to load.",
+    ),
+    (
+        "lookup_timeouts",
+        "vllm:kvcompose_lookup_timeouts",
+        ("child",),
+        "Children still answering None at a kvcompose node's lookup deadline.",
+    ),
+    (
+        "violations",
+        "vllm:kvcompose_contract_violations",
+        ("child", "kind"),
+        "vLLM connector-contract violations by a kvcompose node's children.",
+    ),
+    (
+        "errors",
+        "vllm:kvcompose_child_errors",
+        ("child", "where"),
+        "Exceptions raised by a kvcompose node's children.",
+    ),
 )
 
 
@@ -178,15 +202,22 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
     and the children's own metrics, one set per child class (registered once even when
     several nodes share a class), each fed with its node's data."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]],
-                 by_class: dict[str, KVConnectorPromMetrics]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        by_class: dict[str, KVConnectorPromMetrics],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._by_class = by_class
         self._counters = {
-            prefix: self._counter_cls(name=name, documentation=doc,
-                                      labelnames=[*labelnames, "node", *extra])
-            for prefix, name, extra, doc in PROM_COUNTERS}
+            prefix: self._counter_cls(
+                name=name, documentation=doc, labelnames=[*labelnames, "node", *extra]
+            )
+            for prefix, name, extra, doc in PROM_COUNTERS
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         self._observe(transfer_stats_data, engine_idx)
@@ -207,27 +238,27 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
                 self._observe(entry["data"], engine_idx)
 
 
-def build_composed_prom_metrics(cls: type, vllm_config: Any, metric_types: dict[type, type],
-                                labelnames: list[str],
-                                per_engine_labelvalues: dict[int, list[object]]
-                                ) -> ComposedPromMetrics:
-    from kvcompose.composite import CompositeConnector
-
+def build_composed_prom_metrics(
+    leaf_classes: Iterable[tuple[type, Any]],
+    vllm_config: Any,
+    metric_types: dict[type, type],
+    labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+) -> ComposedPromMetrics:
+    """``leaf_classes``: every leaf connector class of the tree with its ``VllmConfig``."""
     by_class: dict[str, KVConnectorPromMetrics] = {}
-
-    def visit(klass: type[CompositeConnector], config: Any) -> None:
-        for child_cls, child_config in klass._child_classes(config):
-            if issubclass(child_cls, CompositeConnector):
-                visit(child_cls, child_config)
-                continue
-            path = class_path(child_cls)
-            if path in by_class:
-                continue
-            metrics = child_cls.build_prom_metrics(child_config, metric_types, labelnames,
-                                                   per_engine_labelvalues)
-            if metrics is not None:
-                by_class[path] = metrics
-
-    visit(cls, vllm_config)
-    return ComposedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
-                               by_class)
+    for leaf_cls, leaf_config in leaf_classes:
+        path = class_path(leaf_cls)
+        if path in by_class:
+            continue
+        metrics = leaf_cls.build_prom_metrics(
+            leaf_config,
+            metric_types,
+            labelnames,  # type: ignore[attr-defined]
+            per_engine_labelvalues,
+        )
+        if metrics is not None:
+            by_class[path] = metrics
+    return ComposedPromMetrics(
+        vllm_config, metric_types, labelnames, per_engine_labelvalues, by_class
+    )

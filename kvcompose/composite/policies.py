@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvcompose.tree import Chain, Composite, Fanout, Route, RouteRule
+from kvcompose import tree as nodes
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -40,11 +40,8 @@ class LookupPolicy:
     def candidates(self, request: Request) -> Candidates:
         raise NotImplementedError
 
-    def describe(self) -> str:
-        raise NotImplementedError
 
-
-class ChainPolicy(LookupPolicy):
+class ChainLookup(LookupPolicy):
     def __init__(self, num_children: int, mode: Mode) -> None:
         self.mode = mode
         self._all = Candidates(tuple(range(num_children)), f"chain/{mode}")
@@ -52,11 +49,8 @@ class ChainPolicy(LookupPolicy):
     def candidates(self, request: Request) -> Candidates:
         return self._all
 
-    def describe(self) -> str:
-        return f"chain, {self.mode} hit in order"
 
-
-class FanoutPolicy(LookupPolicy):
+class FanoutLookup(LookupPolicy):
     def __init__(self, load_from: int | None, load_from_name: str | None) -> None:
         children = () if load_from is None else (load_from,)
         self._candidates = Candidates(children, f"fan-out/load_from={load_from_name}")
@@ -64,23 +58,21 @@ class FanoutPolicy(LookupPolicy):
     def candidates(self, request: Request) -> Candidates:
         return self._candidates
 
-    def describe(self) -> str:
-        return self._candidates.reason
 
-
-class RoutePolicy(LookupPolicy):
+class RouteLookup(LookupPolicy):
     """The first matching rule picks the child; otherwise the default does.
 
     A rule that cannot be evaluated for a request (a predicate raising, a ``kv_transfer_params``
     that is not a dict) does not match; the error is logged once per rule.
     """
 
-    def __init__(self, rules: tuple[RouteRule, ...], index: Mapping[str, int], default: str):
-        self._rules = [(rule, index[rule.child], _load_predicate(rule.predicate))
-                       for rule in rules]
+    def __init__(self, rules: tuple[nodes.RouteRule, ...], index: Mapping[str, int], default: str):
+        self._rules = [(rule, index[rule.child], _load_predicate(rule.predicate)) for rule in rules]
         self._default = Candidates((index[default],), f"route/default→{default}")
-        self._reasons = [Candidates((i, ), f"route/rule{n}→{rule.child}")
-                         for n, (rule, i, _) in enumerate(self._rules)]
+        self._reasons = [
+            Candidates((i,), f"route/rule{n}→{rule.child}")
+            for n, (rule, i, _) in enumerate(self._rules)
+        ]
         self._broken: set[int] = set()
 
     def candidates(self, request: Request) -> Candidates:
@@ -91,13 +83,15 @@ class RoutePolicy(LookupPolicy):
             except Exception as exc:  # a user predicate or malformed params
                 if n not in self._broken:
                     self._broken.add(n)
-                    logger.error("kvcompose route rule %d (→%s) failed on request %s: %s; "
-                                 "treated as no match (logged once per rule)",
-                                 n, rule.child, request.request_id, exc)
+                    logger.error(
+                        "kvcompose route rule %d (→%s) failed on request %s: %s; "
+                        "treated as no match (logged once per rule)",
+                        n,
+                        rule.child,
+                        request.request_id,
+                        exc,
+                    )
         return self._default
-
-    def describe(self) -> str:
-        return f"route, {len(self._rules)} rule(s), default {self._default.reason}"
 
 
 def _load_predicate(path: str | None) -> Callable[[Any], bool] | None:
@@ -107,7 +101,9 @@ def _load_predicate(path: str | None) -> Callable[[Any], bool] | None:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def _matches(rule: RouteRule, predicate: Callable[[Any], bool] | None, request: Request) -> bool:
+def _matches(
+    rule: nodes.RouteRule, predicate: Callable[[Any], bool] | None, request: Request
+) -> bool:
     if rule.param is not None:
         params = request.kv_transfer_params
         if params is None:
@@ -126,13 +122,13 @@ def _matches(rule: RouteRule, predicate: Callable[[Any], bool] | None, request: 
     return predicate is None or bool(predicate(request))
 
 
-def policy_for(spec: Composite) -> LookupPolicy:
+def policy_for(spec: nodes.Composite) -> LookupPolicy:
     index = {child.name: i for i, child in enumerate(spec.children)}
-    if isinstance(spec, Chain):
-        return ChainPolicy(len(spec.children), spec.policy)
-    if isinstance(spec, Fanout):
+    if isinstance(spec, nodes.Chain):
+        return ChainLookup(len(spec.children), spec.policy)
+    if isinstance(spec, nodes.Fanout):
         load_from = None if spec.load_from is None else index[spec.load_from]
-        return FanoutPolicy(load_from, spec.load_from)
-    if isinstance(spec, Route):
-        return RoutePolicy(spec.rules, index, spec.default)
+        return FanoutLookup(load_from, spec.load_from)
+    if isinstance(spec, nodes.Route):
+        return RouteLookup(spec.rules, index, spec.default)
     raise TypeError(f"not a composite node: {spec!r}")

@@ -87,8 +87,9 @@ class ComposedKVEvents(KVConnectorKVEvents):
                 child.increment_workers(count)
 
     def get_all_events(self) -> list[Any]:
-        return [(i, e) for i, c in enumerate(self.children) if c is not None
-                for e in c.get_all_events()]
+        return [
+            (i, e) for i, c in enumerate(self.children) if c is not None for e in c.get_all_events()
+        ]
 
     def get_number_of_workers(self) -> int:
         return max((c.get_number_of_workers() for c in self.children if c is not None), default=0)

@@ -36,8 +36,15 @@ class ContractViolation(AssertionError):
 class Guard:
     """Violation and error bookkeeping for one composite node's children."""
 
-    def __init__(self, node_name: str, child_names: list[str], *, strict: bool,
-                 on_error: list[str], count: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        node_name: str,
+        child_names: list[str],
+        *,
+        strict: bool,
+        on_error: list[str],
+        count: Callable[[str], None] | None = None,
+    ) -> None:
         self.node_name = node_name
         self._count = count or (lambda key: None)
         self.child_names = child_names
@@ -55,8 +62,9 @@ class Guard:
         first = key not in self.violations
         self.violations[key] += 1
         self._count(f"violations.{name}.{kind}")
-        message = (f"kvcompose[{self.node_name}]: child {name!r} broke the contract "
-                   f"({kind}): {detail}")
+        message = (
+            f"kvcompose[{self.node_name}]: child {name!r} broke the contract ({kind}): {detail}"
+        )
         if self.strict:
             raise ContractViolation(message)
         if first:
@@ -80,8 +88,9 @@ class Guard:
         if tokens is None:
             return None, bool(is_async)
         if isinstance(tokens, bool) or not isinstance(tokens, int):
-            self.violation(child, "lookup_type",
-                           f"returned a count of type {type(tokens).__name__}")
+            self.violation(
+                child, "lookup_type", f"returned a count of type {type(tokens).__name__}"
+            )
             return 0, False
         if tokens < 0:
             self.violation(child, "negative_tokens", f"returned {tokens} tokens")
@@ -105,10 +114,20 @@ class Guard:
             self.lookup_errors[child] += 1
             if self.lookup_errors[child] >= MAX_LOOKUP_ERRORS and child not in self.disabled:
                 self.disabled.add(child)
-                logger.error("kvcompose[%s]: child %r failed %d lookups; it is no longer asked "
-                             "to look up new requests", self.node_name, name,
-                             self.lookup_errors[child])
+                logger.error(
+                    "kvcompose[%s]: child %r failed %d lookups; it is no longer asked "
+                    "to look up new requests",
+                    self.node_name,
+                    name,
+                    self.lookup_errors[child],
+                )
         if first:
-            logger.error("kvcompose[%s]: child %r raised %s in %s; treated as a miss "
-                         "(logged once per child and error type)", self.node_name, name,
-                         type(exc).__name__, where, exc_info=exc)
+            logger.error(
+                "kvcompose[%s]: child %r raised %s in %s; treated as a miss "
+                "(logged once per child and error type)",
+                self.node_name,
+                name,
+                type(exc).__name__,
+                where,
+                exc_info=exc,
+            )

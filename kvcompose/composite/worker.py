@@ -1,0 +1,253 @@
+"""The worker half of a composite node: owner-filtered signals, per-child failure containment.
+
+vLLM's scheduler crashes on a ``finished_recving`` for a request that is not waiting for remote
+KV, and frees blocks early (then crashes) on a premature or duplicate ``finished_sending``
+(``Scheduler._update_from_kv_xfer_finished``; see "Completion-signal invariants" in
+../shared/reference/vllm-connector-contract.md). So the worker half of every composite node
+filters what its children report (``WorkerSignals``):
+
+- **receives**: a request's ``finished_recving``/``failed_recving`` goes up only from the child
+  the scheduler side named as its load owner (shipped in ``CompositeMetadata.loads``), and only
+  once per load. Anything else is a contract violation, dropped and counted.
+- **sends**: the scheduler side ships, per finished request, which children asked to delay the
+  free (``CompositeMetadata.sends``). ``finished_sending`` goes up once all of them reported.
+  A child reporting a send it never asked for is a violation, dropped and counted.
+
+A child that raises while loading (``start_load_kv``, ``wait_for_layer_load``,
+``get_transfer_results``, ``get_block_ids_with_load_errors``) fails its own loads and no
+other's: its async loads in flight are reported failed once, its sync loads of the step as
+failed blocks. Tables empty themselves as signals go up; ``live()`` shows what is in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorTransferResults,
+)
+
+from kvcompose.composite.children import Children
+from kvcompose.composite.guard import Guard
+from kvcompose.composite.metadata import (
+    ComposedHandshake,
+    ComposedKVEvents,
+    ComposedWorkerMeta,
+    CompositeMetadata,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.forward_context import ForwardContext
+
+
+class WorkerSignals:
+    """One terminal signal per request, from the right child."""
+
+    def __init__(self, guard: Guard) -> None:
+        self._guard = guard
+        self._recv_owner: dict[str, int] = {}
+        self._send_waiting: dict[str, set[int]] = {}
+        self._sync_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._failed_loads: set[str] = set()
+        self._failed_blocks: set[int] = set()
+
+    def on_metadata(self, metadata: CompositeMetadata) -> None:
+        self._recv_owner.update(metadata.loads)
+        self._sync_loads = metadata.sync_loads
+        for req_id, children in metadata.sends.items():
+            self._send_waiting[req_id] = set(children)
+
+    def fail_loads_of(self, child: int) -> None:
+        """``child`` raised on the worker: its loads cannot be trusted. Its async loads in
+        flight are reported failed (once), its sync loads of this step as failed blocks, so
+        vLLM recomputes (or fails) those requests instead of using garbage or waiting forever."""
+        self._failed_loads.update(r for r, owner in self._recv_owner.items() if owner == child)
+        for owner, blocks in self._sync_loads.values():
+            if owner == child:
+                self._failed_blocks.update(blocks)
+
+    def take_failed_blocks(self) -> set[int]:
+        blocks, self._failed_blocks = self._failed_blocks, set()
+        return blocks
+
+    def combine(
+        self, results: Sequence[KVConnectorTransferResults | None]
+    ) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        for req_id in self._failed_loads:
+            if self._recv_owner.pop(req_id, None) is not None:
+                out.finished_recving.add(req_id)
+                out.failed_recving.add(req_id)
+        self._failed_loads.clear()
+        for child, result in enumerate(results):
+            if result is None:
+                continue
+            for req_id in result.finished_recving | result.failed_recving:
+                owner = self._recv_owner.get(req_id)
+                if owner != child:
+                    kind = "foreign_recv" if owner is not None else "unexpected_recv"
+                    self._guard.violation(
+                        child, kind, f"finished_recving for {req_id} (owner: {owner})"
+                    )
+                    continue
+                del self._recv_owner[req_id]
+                out.finished_recving.add(req_id)
+                if req_id in result.failed_recving:
+                    out.failed_recving.add(req_id)
+            for req_id in result.finished_sending:
+                waiting = self._send_waiting.get(req_id)
+                if waiting is None or child not in waiting:
+                    self._guard.violation(
+                        child, "unexpected_send", f"finished_sending for {req_id} it did not delay"
+                    )
+                    continue
+                waiting.discard(child)
+                if not waiting:
+                    del self._send_waiting[req_id]
+                    out.finished_sending.add(req_id)
+        return out
+
+    def live(self) -> dict[str, object]:
+        tables: dict[str, object] = {}
+        if self._recv_owner:
+            tables["loads_in_flight"] = dict(self._recv_owner)
+        if self._send_waiting:
+            tables["sends_waiting"] = {k: sorted(v) for k, v in self._send_waiting.items()}
+        return tables
+
+
+class CompositeWorker:
+    """Worker-side state and methods of one node (built for the WORKER role)."""
+
+    def __init__(self, name: str, children: Children) -> None:
+        self.name = name
+        self.children = children
+        self.guard = children.guard
+        self.signals = WorkerSignals(children.guard)
+        self._savers = [i for i, c in enumerate(children) if c.saves]
+
+    def live(self) -> dict[str, object]:
+        return self.signals.live()
+
+    def _all_loading(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Worker calls that load KV: a child that raises fails its own loads, no other's."""
+        for i, child in enumerate(self.children.connectors):
+            try:
+                getattr(child, method)(*args, **kwargs)
+            except Exception as exc:
+                self.signals.fail_loads_of(i)
+                self.guard.child_error(i, method, exc)
+
+    def _savers_all(self, method: str, *args: Any, **kwargs: Any) -> None:
+        call = self.children.call
+        for i in self._savers:
+            call(i, method, None, *args, **kwargs)
+
+    # ------------------------------------------------------------------ set-up
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        contexts = [
+            (c.name, ctx)
+            for c in self.children
+            if (ctx := c.connector.get_mem_pool_context()) is not None
+        ]
+        if len(contexts) > 1:
+            raise ValueError(
+                f"kvcompose[{self.name}]: children {[n for n, _ in contexts]} each "
+                "want their own KV-cache memory pool; at most one can"
+            )
+        return contexts[0][1] if contexts else None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.children.all("register_kv_caches", kv_caches)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        self.children.all("set_host_xfer_buffer_ops", copy_operation)
+
+    def unregister_kv_caches(self) -> None:
+        self.children.all("unregister_kv_caches")
+
+    def restore_kv_caches(self) -> None:
+        self.children.all("restore_kv_caches")
+
+    def get_handshake_metadata(self) -> ComposedHandshake | None:
+        parts = tuple(c.get_handshake_metadata() for c in self.children.connectors)
+        return None if all(p is None for p in parts) else ComposedHandshake(parts)
+
+    # ---------------------------------------------------------------- per step
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, CompositeMetadata)
+        for child, md in zip(self.children.connectors, kv_connector_metadata.children, strict=True):
+            if md is not None:
+                child.handle_preemptions(md)
+
+    def bind_connector_metadata(self, connector_metadata: CompositeMetadata) -> None:
+        self.signals.on_metadata(connector_metadata)
+        for child, md in zip(self.children.connectors, connector_metadata.children, strict=True):
+            if md is not None:
+                child.bind_connector_metadata(md)
+
+    def clear_connector_metadata(self) -> None:
+        self.children.all("clear_connector_metadata")
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._all_loading("start_load_kv", forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._all_loading("wait_for_layer_load", layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self._savers_all("save_kv_layer", layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._savers_all("wait_for_save")
+
+    def finish_forward(self) -> None:
+        self.children.all("finish_forward")
+
+    def reset_capture_state(self) -> None:
+        self.children.all("reset_capture_state")
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results: list[KVConnectorTransferResults | None] = []
+        for i, child in enumerate(self.children.connectors):
+            try:
+                results.append(child.get_transfer_results(finished_req_ids))
+            except Exception as exc:
+                self.signals.fail_loads_of(i)
+                self.guard.child_error(i, "get_transfer_results", exc)
+                results.append(None)
+        return self.signals.combine(results)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors: set[int] = set()
+        for i, child in enumerate(self.children.connectors):
+            try:
+                errors |= child.get_block_ids_with_load_errors()
+            except Exception as exc:
+                self.signals.fail_loads_of(i)
+                self.guard.child_error(i, "get_block_ids_with_load_errors", exc)
+        return errors | self.signals.take_failed_blocks()
+
+    def get_kv_connector_kv_cache_events(self) -> ComposedKVEvents | None:
+        events = [
+            self.children.call(i, "get_kv_connector_kv_cache_events", None)
+            for i in range(len(self.children.connectors))
+        ]
+        return None if all(e is None for e in events) else ComposedKVEvents(events)
+
+    def build_connector_worker_meta(self) -> ComposedWorkerMeta | None:
+        parts = tuple(
+            self.children.call(i, "build_connector_worker_meta", None)
+            for i in range(len(self.children.connectors))
+        )
+        return None if all(p is None for p in parts) else ComposedWorkerMeta(parts)
