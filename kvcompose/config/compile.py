@@ -223,10 +223,10 @@ def _check_params(placed: list[_Placed]) -> list[ErrorItem]:
         for other, other_keys in producers:
             common = sorted(keys & other_keys)
             if common:
-                shown = ", ".join(common[:4]) + (", ..." if len(common) > 4 else "")
+                listed = ", ".join(common[:4]) + (", ..." if len(common) > 4 else "")
                 return [ErrorItem(p.path, f"{p.name!r} ({p.node.connector}) and "
                                   f"{other.name!r} ({other.node.connector}) would both "  # type: ignore[union-attr]
-                                  f"produce kv_transfer_params keys ({shown}): at most one "
+                                  f"produce kv_transfer_params keys ({listed}): at most one "
                                   "leaf may produce each key (set 'params_keys: []' on a leaf "
                                   "that produces none)")]
         producers.append((p, keys))
