@@ -33,7 +33,7 @@ from kvcompose.config.limits import (
     size_text,
 )
 from kvcompose.config.plain import check_plain
-from kvcompose.config.yamlscan import scan
+from kvcompose.config.yamlscan import build, scan
 
 _Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 STDIN = "<stdin>"
@@ -238,11 +238,7 @@ def parse_yaml(text: str, label: str | None = None) -> Source:
                 raise ConfigError("nested too deeply", label) from None
             if node is None:
                 raise ConfigError("empty document", label)
-            linemap = scan(node, label)
-            try:
-                data = loader.construct_document(node)
-            except (yaml.YAMLError, ValueError, RecursionError) as exc:  # pragma: no cover
-                raise ConfigError(f"cannot read the document: {exc}", label) from None
+            data, linemap = build(node, label)
         finally:
             loader.dispose()
     return Source(data, label, linemap, label)
