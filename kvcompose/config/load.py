@@ -36,7 +36,7 @@ from kvcompose.config.errors import (
 from kvcompose.config.include import Referrer, including
 from kvcompose.config.messages import items_from_validation
 from kvcompose.config.plain import check_plain
-from kvcompose.config.source import Source
+from kvcompose.config.source import Source, gc_paused
 from kvcompose.tree import (
     NODE_KINDS,
     TRANSFER_FIELDS,
@@ -113,14 +113,15 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *,
     ``check_vllm``: run the checks that import vLLM (default: when vLLM is installed).
     """
     env = environ(env)
-    if isinstance(source, Source):  # already parsed (e.g. standard input)
-        return _load_source(source, env, overrides or [], check_vllm)
-    if isinstance(source, Mapping):
-        check_plain(source, None)
-        return _load_source(Source(dict(source)), env, overrides or [], check_vllm)
-    if isinstance(source, (str, os.PathLike)):
-        with including(os.fspath(source)) as src:
-            return _load_source(src, env, overrides or [], check_vllm)
+    with gc_paused():
+        if isinstance(source, Source):  # already parsed (e.g. standard input)
+            return _load_source(source, env, overrides or [], check_vllm)
+        if isinstance(source, Mapping):
+            check_plain(source, None)
+            return _load_source(Source(dict(source)), env, overrides or [], check_vllm)
+        if isinstance(source, (str, os.PathLike)):
+            with including(os.fspath(source)) as src:
+                return _load_source(src, env, overrides or [], check_vllm)
     raise ConfigError(f"expected a file path or a mapping, got {describe(source)}")
 
 
@@ -150,8 +151,9 @@ def config_from_extra_config(extra: Mapping[str, Any], *,
     extra = dict(extra)
     if isinstance(extra.get("config"), os.PathLike):
         extra["config"] = os.fspath(extra["config"])
-    check_plain(extra, EXTRA_CONFIG)
-    return _from_extra(extra, environ(env), check_vllm, Source({}, EXTRA_CONFIG), ())
+    with gc_paused():
+        check_plain(extra, EXTRA_CONFIG)
+        return _from_extra(extra, environ(env), check_vllm, Source({}, EXTRA_CONFIG), ())
 
 
 def tree_from_extra_config(extra: Mapping[str, Any], *,
