@@ -15,6 +15,14 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from kvcompose.config.env import ENV_CONFIG_FILE, ENV_FIELDS, ENV_PREFIX, ENV_SET
+from kvcompose.config.limits import (
+    MAX_ALIAS_NODES,
+    MAX_DEPTH,
+    MAX_FILE_BYTES,
+    MAX_INCLUDE_DEPTH,
+    MAX_INT_DIGITS,
+    size_text,
+)
 from kvcompose.tree import NAME_PATTERN, VERSION, Chain, Document, Fanout, Leaf, Route, RouteRule
 
 _INTRO = """\
@@ -120,13 +128,37 @@ tiers.yaml:7: tree.chain.children[1].leaf.conector: unknown key 'conector' (did 
 ```
 
 Without vLLM: unknown keys, wrong types, bad values, empty `children`, a route without
-`default`, references to children that do not exist, duplicate names, and leaves that would
+`default`, references to children that do not exist, duplicate names, leaves that would
 produce the same `kv_transfer_params` keys (at most one P/D connector such as NIXL,
-Mooncake or MoRIIO per tree; declare other producers with `params_keys`). With vLLM
-installed (skip with `--offline`): connector names against vLLM's registry, `module_path`
-imports and classes, the 3-argument constructor vLLM requires, `transfer_config` keys
-against vLLM's `KVTransferConfig`, each leaf's `KVTransferConfig`, `hma: true` against
-each leaf's HMA support, and route predicates.
+Mooncake or MoRIIO per tree; declare other producers with `params_keys`), and the tree of
+every leaf that is itself a kvcompose composite (`KVCompose`, `KVComposeHMA`,
+`kvcompose.compat`'s `MultiConnector`): it must have one, and a config may not include
+itself through `config:`. With vLLM: connector names against vLLM's registry,
+`module_path` imports and classes (which must subclass vLLM's `KVConnectorBase_V1`), the
+3-argument constructor vLLM requires, `transfer_config` keys against vLLM's
+`KVTransferConfig`, each leaf's `KVTransferConfig`, `hma: true` against each leaf's HMA
+support, and route predicates. Connector modules run with their output sent to stderr, and
+one that calls `sys.exit()` on import is reported, not obeyed.
+
+**Which checks run.** `kvcompose validate` checks without vLLM unless given
+`--check-vllm`: it is what editors, pre-commit hooks and CI run on every change, and from
+the file alone it answers in a fraction of a second, where importing vLLM takes seconds.
+`explain`, `vllm-args` and `convert` run the vLLM checks whenever vLLM is installed (skip
+them with `--offline`), because what they print depends on vLLM's answers (`vllm-args`
+picks `KVComposeHMA` only when every leaf supports HMA). Inside vLLM, where a config is
+loaded from `kv_connector_extra_config`, every check runs. From Python, `load_config`
+runs them when vLLM is installed (`check_vllm=False` skips them).
+
+**Limits.** Whatever the input, loading ends in a result or a one-line error within a
+second or two: a config file (or standard input, `-`) holds at most ${max_bytes} of UTF-8
+text (a BOM is allowed; a bad byte or a NUL is reported with its line); mappings and lists
+nest at most ${max_depth} levels; YAML aliases may add at most ${max_alias} nodes to a
+document; integers have at most ${max_digits} digits; configs that include configs nest at
+most ${max_include} levels. Values are plain JSON, because vLLM receives the config as
+JSON: dates, `!!binary`, sets, `.nan` and `.inf` are refused, as are duplicate keys (in
+YAML and JSON files and on standard input alike) and keys that are not strings. YAML 1.1
+reads unquoted `on`, `no`, `yes`, `off` as booleans and `0123` as an octal number; a message
+about such a value says so and suggests quoting it.
 
 ## Overrides and precedence
 
@@ -201,7 +233,9 @@ def render_markdown() -> str:
         document=_table(Document), leaf=_table(Leaf), chain=_table(Chain),
         fanout=_table(Fanout), route=_table(Route), rule=_table(RouteRule),
         pattern=NAME_PATTERN, env="\n".join(env_rows), env_set=ENV_SET,
-        env_file=ENV_CONFIG_FILE,
+        env_file=ENV_CONFIG_FILE, max_bytes=size_text(MAX_FILE_BYTES), max_depth=MAX_DEPTH,
+        max_alias=f"{MAX_ALIAS_NODES:,}", max_digits=MAX_INT_DIGITS,
+        max_include=MAX_INCLUDE_DEPTH,
     )
     return text
 
