@@ -41,19 +41,21 @@ def including(path: str, referrer: Referrer | None = None) -> Iterator[Source]:
     real = os.path.realpath(path)
     stack = _LOADING.get()
     if real in stack:
-        chain = " -> ".join(_show(p) for p in (*stack[stack.index(real):], real))
+        chain = " -> ".join(_show(p) for p in (*stack[stack.index(real) :], real))
         raise _refuse(referrer, path, f"{path} includes itself ({chain})")
     if len(stack) >= MAX_INCLUDE_DEPTH:
-        raise _refuse(referrer, path, f"{path}: configs include each other more than "
-                                      f"{MAX_INCLUDE_DEPTH} levels deep")
+        raise _refuse(
+            referrer,
+            path,
+            f"{path}: configs include each other more than {MAX_INCLUDE_DEPTH} levels deep",
+        )
     try:
         raw = read_bytes(path)
     except ConfigError as exc:
         if referrer is None:
             raise
         raise referrer.error(f"{path}: {exc.items[0].message}") from None
-    source = parse_bytes(raw, path, "json" if path.lower().endswith(".json") else "yaml",
-                         path=path)
+    source = parse_bytes(raw, path, "json" if path.lower().endswith(".json") else "yaml", path=path)
     token = _LOADING.set((*stack, real))
     try:
         yield source

@@ -19,7 +19,7 @@ from kvcompose.config.limits import MAX_ALIAS_NODES, MAX_DEPTH, MAX_INT_DIGITS
 
 _SCALARS = (str, bool, type(None))
 #: Integers with more digits than this are refused (checked by magnitude, not by str()).
-_INT_BOUND = 10 ** MAX_INT_DIGITS
+_INT_BOUND = 10**MAX_INT_DIGITS
 
 
 def check_plain(data: Any, label: str | None, prefix: Path = ()) -> None:
@@ -43,26 +43,35 @@ def check_plain(data: Any, label: str | None, prefix: Path = ()) -> None:
             return 1
         if isinstance(value, float):
             if not math.isfinite(value):
-                raise fail(path, f"{value} is not a JSON value (NaN and infinities have no "
-                                 "JSON form)")
+                raise fail(
+                    path, f"{value} is not a JSON value (NaN and infinities have no JSON form)"
+                )
             return 1
         if isinstance(value, BaseModel):  # a node object handed over as is
             return 1
         if not isinstance(value, (Mapping, list, tuple)):
-            raise fail(path, f"{describe(value)} is not a JSON value (expected mappings, "
-                             "lists, strings, numbers, booleans or null)")
+            raise fail(
+                path,
+                f"{describe(value)} is not a JSON value (expected mappings, "
+                "lists, strings, numbers, booleans or null)",
+            )
         key = id(value)
         if key in active:
-            raise fail(path, "refers to a mapping or list that contains it (a recursive "
-                             "structure cannot be written as JSON)")
+            raise fail(
+                path,
+                "refers to a mapping or list that contains it (a recursive "
+                "structure cannot be written as JSON)",
+            )
         if key in sizes:
             aliased += sizes[key]
             if aliased > MAX_ALIAS_NODES:
-                raise fail(path, f"shared objects expand this config by more than "
-                                 f"{MAX_ALIAS_NODES:,} nodes")
+                raise fail(
+                    path,
+                    f"shared objects expand this config by more than {MAX_ALIAS_NODES:,} nodes",
+                )
             return sizes[key]
         if depth > MAX_DEPTH:
-            raise fail(path[:MAX_DEPTH // 4], f"nested more than {MAX_DEPTH} levels deep")
+            raise fail(path[: MAX_DEPTH // 4], f"nested more than {MAX_DEPTH} levels deep")
         if isinstance(value, Mapping):
             for k in value:
                 if not isinstance(k, str):

@@ -26,6 +26,7 @@ import yaml
 from kvcompose.config.errors import ConfigError, ErrorItem, LineMap
 from kvcompose.config.limits import (
     CLEAR_SYNTAX_ERRORS_BYTES,
+    MAX_DEPTH,
     MAX_FILE_BYTES,
     MAX_INT_DIGITS,
     size_text,
@@ -199,7 +200,7 @@ def parse_json(text: str, label: str | None = None) -> Source:
             _lines(text, label)  # raises the same problem with its line, when it can
             raise ConfigError(str(exc), label) from None
         except RecursionError:
-            raise ConfigError("nested too deeply", label) from None
+            raise ConfigError(f"nested more than {MAX_DEPTH} levels deep", label) from None
         linemap = _lines(text, label)
         if linemap is None:  # YAML cannot compose this JSON: check the data instead
             check_plain(data, label)
@@ -236,7 +237,7 @@ def parse_yaml(text: str, label: str | None = None) -> Source:
             except yaml.YAMLError as exc:
                 raise ConfigError(_yaml_error(exc, text), label) from None
             except RecursionError:
-                raise ConfigError("nested too deeply", label) from None
+                raise ConfigError(f"nested more than {MAX_DEPTH} levels deep", label) from None
             if node is None:
                 raise ConfigError("empty document", label)
             data, linemap = build(node, label)
@@ -255,6 +256,9 @@ def _yaml_error(exc: yaml.YAMLError, text: str) -> ErrorItem:
             pass
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or str(exc)
+    if "maximum nesting depth" in problem:  # libyaml's own limit (1000)
+        return ErrorItem((), f"nested more than {MAX_DEPTH} levels deep",
+                         mark.line + 1 if mark is not None else None)
     context = getattr(exc, "context", None)
     message = f"YAML syntax error: {problem}"
     if context:

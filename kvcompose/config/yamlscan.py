@@ -156,32 +156,49 @@ class _Walk:
             sources = [value] if isinstance(value, dict) else list(reversed(value))
             for source in sources:
                 if not isinstance(source, dict):
-                    self.problem(frame[1], "a merge key (<<) takes a mapping or a list of "
-                                           "mappings", _line(frame[0]))
+                    self.problem(
+                        frame[1],
+                        "a merge key (<<) takes a mapping or a list of mappings",
+                        _line(frame[0]),
+                    )
                     continue
                 merged.update(source)
         merged.update(container)
         return merged
 
-    def enter(self, node: yaml.Node, path: Path, depth: int, stack: list[list[Any]]
-              ) -> tuple[int, Any] | None:
+    def enter(
+        self, node: yaml.Node, path: Path, depth: int, stack: list[list[Any]]
+    ) -> tuple[int, Any] | None:
         """(size, value) of a scalar or an already seen node; None when a frame was
         pushed."""
         key = id(node)
         if key in self.active:
-            raise _Stop(ErrorItem(path, "this alias refers to a node that contains it (a "
-                                        "recursive structure cannot be written as JSON)",
-                                  self.linemap.get(path)))
+            raise _Stop(
+                ErrorItem(
+                    path,
+                    "this alias refers to a node that contains it (a "
+                    "recursive structure cannot be written as JSON)",
+                    self.linemap.get(path),
+                )
+            )
         if key in self.sizes:
             self.aliased += self.sizes[key]
             if self.aliased > MAX_ALIAS_NODES:
-                raise _Stop(ErrorItem(path, f"YAML aliases expand this document by more than "
-                                            f"{MAX_ALIAS_NODES:,} nodes (an alias bomb?)",
-                                      self.linemap.get(path)))
+                raise _Stop(
+                    ErrorItem(
+                        path,
+                        f"YAML aliases expand this document by more than "
+                        f"{MAX_ALIAS_NODES:,} nodes (an alias bomb?)",
+                        self.linemap.get(path),
+                    )
+                )
             return self.sizes[key], self.values.get(key)
         if depth > MAX_DEPTH:
-            raise _Stop(ErrorItem(path[:MAX_DEPTH // 4], f"nested more than {MAX_DEPTH} levels "
-                                                         "deep", _line(node)))
+            raise _Stop(
+                ErrorItem(
+                    path[: MAX_DEPTH // 4], f"nested more than {MAX_DEPTH} levels deep", _line(node)
+                )
+            )
         if isinstance(node, yaml.ScalarNode):
             value = self.scalar(node, path)
             self.sizes[key] = 1
@@ -211,8 +228,11 @@ class _Walk:
                 yield _BadKey(text), value_node, line  # still checked, and counted
                 continue
             if key in seen:
-                self.problem((*path, key), f"duplicate key {shown(key)} (first set on line "
-                                           f"{seen[key]})", line)
+                self.problem(
+                    (*path, key),
+                    f"duplicate key {shown(key)} (first set on line {seen[key]})",
+                    line,
+                )
                 continue
             seen[key] = line
             self.linemap[(*path, key)] = line
@@ -229,8 +249,10 @@ class _Walk:
         value = _construct(node)
         message = f"keys must be strings, got {describe(value)}"
         if _surprising(node):
-            message += (f": YAML reads the unquoted key {node.value} as "
-                        f"{describe(value).split(' (')[0]}; quote it, \"{node.value}\"")
+            message += (
+                f": YAML reads the unquoted key {node.value} as "
+                f'{describe(value).split(" (")[0]}; quote it, "{node.value}"'
+            )
         self.problem(path, message, line)
         return None
 
@@ -240,8 +262,12 @@ class _Walk:
             return
         kind = _NOT_JSON.get(tag.removeprefix(_TAG))
         what = kind or f"tag {tag}"
-        self.problem(path, f"{what} is not a JSON value: kvcompose configs hold plain JSON "
-                           "(mappings, lists, strings, numbers, booleans, null)", _line(node))
+        self.problem(
+            path,
+            f"{what} is not a JSON value: kvcompose configs hold plain JSON "
+            "(mappings, lists, strings, numbers, booleans, null)",
+            _line(node),
+        )
 
     def scalar(self, node: yaml.ScalarNode, path: Path) -> Any:
         """The scalar's value (None where a problem was reported)."""
@@ -261,8 +287,11 @@ class _Walk:
         if tag == f"{_TAG}int":
             digits = sum(c.isdigit() for c in text)
             if digits > MAX_INT_DIGITS:
-                self.problem(path, f"integer with {digits} digits is too large (at most "
-                                   f"{MAX_INT_DIGITS})", line)
+                self.problem(
+                    path,
+                    f"integer with {digits} digits is too large (at most {MAX_INT_DIGITS})",
+                    line,
+                )
                 return None
             if _JSON_INT.fullmatch(text):
                 return int(text)
@@ -277,28 +306,44 @@ class _Walk:
                     self.linemap.hints[path] = text
                 value = self.constructor.construct_yaml_float(node)
             if not math.isfinite(value):
-                self.problem(path, f"{text} is not a JSON value (NaN and infinities have no "
-                                   "JSON form); quote it if you meant the text", line)
+                self.problem(
+                    path,
+                    f"{text} is not a JSON value (NaN and infinities have no "
+                    "JSON form); quote it if you meant the text",
+                    line,
+                )
                 return None
             return value
         kind = _NOT_JSON.get(tag.removeprefix(_TAG))
         if kind == "a date":
-            self.problem(path, f"YAML reads the unquoted {text} as a date, which is not a JSON "
-                               f"value: quote it, \"{text}\"", line)
+            self.problem(
+                path,
+                f"YAML reads the unquoted {text} as a date, which is not a JSON "
+                f'value: quote it, "{text}"',
+                line,
+            )
         else:
-            self.problem(path, f"{kind or 'tag ' + tag} is not a JSON value: kvcompose "
-                               "configs hold plain JSON (use a string)", line)
+            self.problem(
+                path,
+                f"{kind or 'tag ' + tag} is not a JSON value: kvcompose "
+                "configs hold plain JSON (use a string)",
+                line,
+            )
         return None
 
     def json_number(self, text: str, path: Path, line: int) -> None:
         if text in ("NaN", "Infinity", "-Infinity"):
-            self.problem(path, f"{text} is not valid JSON (NaN and infinities have no JSON "
-                               "form)", line)
+            self.problem(
+                path, f"{text} is not valid JSON (NaN and infinities have no JSON form)", line
+            )
         elif _JSON_NUMBER.fullmatch(text):
             digits = sum(c.isdigit() for c in text)
             if digits > MAX_INT_DIGITS and _JSON_INT.fullmatch(text):
-                self.problem(path, f"integer with {digits} digits is too large (at most "
-                                   f"{MAX_INT_DIGITS})", line)
+                self.problem(
+                    path,
+                    f"integer with {digits} digits is too large (at most {MAX_INT_DIGITS})",
+                    line,
+                )
             elif not _JSON_INT.fullmatch(text) and not math.isfinite(float(text)):
                 self.problem(path, f"number {shown(text)} is too large", line)
 
@@ -309,9 +354,11 @@ def _surprising(node: yaml.ScalarNode) -> bool:
     if node.style:
         return False
     text, tag = node.value, node.tag.removeprefix(_TAG)
-    return ((tag == "bool" and text not in _JSON_BOOL)
-            or (tag == "int" and not _JSON_INT.fullmatch(text))
-            or (tag == "float" and not _JSON_FLOAT.fullmatch(text)))
+    return (
+        (tag == "bool" and text not in _JSON_BOOL)
+        or (tag == "int" and not _JSON_INT.fullmatch(text))
+        or (tag == "float" and not _JSON_FLOAT.fullmatch(text))
+    )
 
 
 def _construct(node: yaml.ScalarNode) -> Any:
