@@ -1,5 +1,5 @@
-"""Running the CLI as a real program for the hostile-input tests, and checking that what
-comes back is one clean line."""
+"""Helpers for the hostile-input tests: the message an input gets in process, and the CLI
+run as a real program with a check that what comes back is one clean line."""
 
 from __future__ import annotations
 
@@ -7,10 +7,43 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 from config_helpers import ROOT
 
+from kvcompose.config import ConfigError, load_config, tree_from_extra_config
+from kvcompose.config.limits import MAX_MESSAGE
+
 HOSTILE = Path(__file__).resolve().parent / "hostile"
+#: The smallest valid document, to append to.
+LEAF = "tree:\n  leaf:\n    connector: ExampleConnector\n"
+
+
+def error_of(fn: Any, *args: Any, **kwargs: Any) -> str:
+    """The one-line message of the ``ConfigError`` that ``fn`` raises."""
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message and len(message) <= MAX_MESSAGE
+    return message
+
+
+def from_extra(extra: Any, **kwargs: Any) -> str:
+    """The message ``tree_from_extra_config`` (vLLM's path) gives for ``extra``."""
+    return error_of(
+        tree_from_extra_config,
+        extra,
+        env=kwargs.pop("env", {}),
+        check_vllm=kwargs.pop("check_vllm", False),
+    )
+
+
+def load(source: Any, **kwargs: Any) -> str:
+    """The message ``load_config`` gives for ``source``."""
+    return error_of(
+        load_config, source, env=kwargs.pop("env", {}), check_vllm=kwargs.pop("check_vllm", False)
+    )
 
 
 def cli(
