@@ -10,7 +10,7 @@ quickly instead of hanging vLLM's engine or the CLI.
 from __future__ import annotations
 
 #: A config file or standard input larger than this is refused before it is parsed.
-MAX_FILE_BYTES = 4 * 1024 * 1024
+MAX_FILE_BYTES = 2 * 1024 * 1024
 #: Mappings and lists nested deeper than this (a tree of ~30 composite levels).
 MAX_DEPTH = 100
 #: Nodes that YAML aliases (``*name``) and shared Python objects may add to a document
