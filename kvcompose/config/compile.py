@@ -189,10 +189,11 @@ def _check_references(placed: list[_Placed]) -> list[ErrorItem]:
     for p in placed:
         node = p.node
         kids = [c.name for c in p.children or ()]
+        known = set(kids)
 
         def ref(value: str, path: Path, what: str, kids: list[str] = kids,
-                p: _Placed = p) -> None:
-            if value not in kids:
+                known: set[str] = known, p: _Placed = p) -> None:
+            if value not in known:
                 problems.append(ErrorItem(path, f"{what} {shown(value)} is not a child of "
                                           f"{p.node.kind} {p.name!r}"
                                           f"{did_you_mean(value, kids)} (children: "
@@ -216,20 +217,24 @@ def _params_keys(leaf: Leaf) -> frozenset[str]:
 
 
 def _check_params(placed: list[_Placed]) -> list[ErrorItem]:
-    producers: list[tuple[_Placed, frozenset[str]]] = []
-    for p in placed:
+    """At most one leaf per ``kv_transfer_params`` key (linear: each key maps to the first
+    leaf that produces it)."""
+    owners: dict[str, tuple[int, _Placed, frozenset[str]]] = {}
+    for index, p in enumerate(placed):
         if not isinstance(p.node, Leaf) or not (keys := _params_keys(p.node)):
             continue
-        for other, other_keys in producers:
+        clashes = [owners[key] for key in keys if key in owners]
+        if clashes:
+            _, other, other_keys = min(clashes, key=lambda c: c[0])
             common = sorted(keys & other_keys)
-            if common:
-                listed = ", ".join(common[:4]) + (", ..." if len(common) > 4 else "")
-                return [ErrorItem(p.path, f"{p.name!r} ({p.node.connector}) and "
-                                  f"{other.name!r} ({other.node.connector}) would both "  # type: ignore[union-attr]
-                                  f"produce kv_transfer_params keys ({listed}): at most one "
-                                  "leaf may produce each key (set 'params_keys: []' on a leaf "
-                                  "that produces none)")]
-        producers.append((p, keys))
+            listed = ", ".join(common[:4]) + (", ..." if len(common) > 4 else "")
+            return [ErrorItem(p.path, f"{p.name!r} ({p.node.connector}) and "
+                              f"{other.name!r} ({other.node.connector}) would both "  # type: ignore[union-attr]
+                              f"produce kv_transfer_params keys ({listed}): at most one "
+                              "leaf may produce each key (set 'params_keys: []' on a leaf "
+                              "that produces none)")]
+        for key in keys:
+            owners[key] = (index, p, keys)
     return []
 
 

@@ -290,6 +290,34 @@ def test_ten_thousand_children_load_in_linear_time(tmp_path: Path) -> None:
     assert (code, err) == (0, "") and out.startswith("c10000.yaml: ok (10001 nodes")
 
 
+@pytest.mark.timeout(60)
+def test_many_producers_and_rules_are_checked_in_linear_time() -> None:
+    """The params-clash and reference checks once compared every leaf with every other."""
+    n = 20_000
+    producers = {
+        "tree": {
+            "chain": {
+                "children": [
+                    {"leaf": {"connector": "A", "params_keys": [f"k{i}"]}} for i in range(n)
+                ]
+            }
+        }
+    }
+    rules = {
+        "tree": {
+            "route": {
+                "default": "c0",
+                "rules": [{"param": "p", "equals": i, "child": f"c{i}"} for i in range(n)],
+                "children": [{"leaf": {"name": f"c{i}", "connector": "A"}} for i in range(n)],
+            }
+        }
+    }
+    for doc in (producers, rules):
+        start = time.process_time()
+        load_config(doc, env={}, check_vllm=False)
+        assert time.process_time() - start < 20  # ~1 s; quadratic was minutes
+
+
 @pytest.mark.timeout(30)
 def test_includes_nest_boundedly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
