@@ -26,13 +26,13 @@ from kvcompose.composite.node import CompositeConnector, CompositeConnectorHMA, 
 
 
 class ReadsUserConfig:
-    """Reads the tree from a user config (validated by ``kvcompose.config``) when the extra
-    config does not already hold a pre-validated one."""
+    """Reads the tree through ``kvcompose.config``: a user config in any of its forms, or
+    the canonical subtree a parent composite hands down, checked the same way."""
 
     @classmethod
     def tree_from_config(cls, extra_config: Mapping[str, Any]) -> nodes.Composite:
-        if nodes.TREE_KEY in extra_config:
-            return super().tree_from_config(extra_config)  # type: ignore[misc]
+        # The internal form a parent hands down goes through the same checks (names,
+        # references), so a hand-written bad subtree is a ConfigError, not a KeyError later.
         from kvcompose.config import tree_from_extra_config
 
         return as_composite(tree_from_extra_config(extra_config))

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from kvcompose.cli.common import add_load_flags, load
+from kvcompose.cli.common import FILE_HELP, add_load_flags, load
 from kvcompose.config.multiconnector import document_notes, multiconnector_from_config
 from kvcompose.config.render import document_from_tree, simplify_document, to_yaml
 from kvcompose.config.source import read_file
@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "to a kvcompose YAML document, or a flat kvcompose tree (a 'first' chain "
                     "of leaves that all save) back to MultiConnector JSON. The direction "
                     "follows the input unless --to says otherwise.")
-    parser.add_argument("file", metavar="FILE")
+    parser.add_argument("file", metavar="FILE", help=FILE_HELP)
     parser.add_argument("--to", choices=("yaml", "multiconnector"),
                         help="output format (default: the other one)")
     parser.add_argument("--compat", action="store_true",

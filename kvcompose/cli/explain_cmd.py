@@ -8,7 +8,7 @@ from typing import Any
 from rich.markup import escape
 from rich.tree import Tree
 
-from kvcompose.cli.common import add_load_flags, console, load
+from kvcompose.cli.common import FILE_HELP, add_load_flags, console, load
 from kvcompose.config import Config, effective_saves
 from kvcompose.config.compile import PARAMS_PRODUCERS
 from kvcompose.config.render import MODULE_PATH, composite_class
@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Draw a config's connector tree: which node looks up in what order and "
                     "with which policy, which children save, and what vLLM will see (HMA, "
                     "KV cache layout, piecewise CUDA graphs, kv_transfer_params).")
-    parser.add_argument("file", metavar="FILE")
+    parser.add_argument("file", metavar="FILE", help=FILE_HELP)
     add_load_flags(parser)
     parser.set_defaults(func=run)
 

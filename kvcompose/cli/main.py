@@ -60,13 +60,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = os.environ.get("KVCOMPOSE_DEBUG") == "1"
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # argparse: --help, usage errors
+            return exc.code if isinstance(exc.code, int) else EXIT_USAGE
         if not getattr(args, "func", None):
             parser.print_help(sys.stderr)
             return EXIT_USAGE
         return int(args.func(args) or 0)
-    except SystemExit as exc:  # argparse: --help, usage errors
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except SystemExit as exc:  # from code the command ran (a connector module, a plugin)
+        if debug:
+            raise
+        print(f"kvcompose: internal error: something called sys.exit({exc.code!r}) "
+              "(set KVCOMPOSE_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
     except (ConfigError, CLIError) as exc:
         if debug:
             raise
@@ -81,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if debug:
             raise
-        print(f"kvcompose: internal error: {type(exc).__name__}: {exc} "
+        text = (str(exc).splitlines() or [""])[0][:300]
+        print(f"kvcompose: internal error: {type(exc).__name__}: {text} "
               "(set KVCOMPOSE_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
 

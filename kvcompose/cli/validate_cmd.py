@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvcompose.cli.common import CLIError, add_load_flags, load
+from kvcompose.cli.common import FILE_HELP, CLIError, add_load_flags, load
 from kvcompose.config import ConfigError
 
 
@@ -13,13 +13,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "validate", help="check config files",
         description="Check kvcompose configs (YAML/JSON documents, MultiConnector JSON, or "
-                    "what `kvcompose vllm-args` prints). Exit status 0 when all are valid.")
-    parser.add_argument("files", nargs="+", metavar="FILE")
+                    "what `kvcompose vllm-args` prints). Exit status 0 when all are valid. "
+                    "Without vLLM by default (fast, for editors and CI); --check-vllm adds "
+                    "the checks against the installed vLLM (connector names, modules, HMA).")
+    parser.add_argument("files", nargs="+", metavar="FILE", help=FILE_HELP)
     parser.add_argument("--strict", action="store_true", help="treat warnings as errors")
     parser.add_argument("--all-errors", action="store_true",
                         help="print every problem found, one per line, not just the first")
     parser.add_argument("-q", "--quiet", action="store_true", help="print errors only")
-    add_load_flags(parser)
+    add_load_flags(parser, vllm_by_default=False)
     parser.set_defaults(func=run)
 
 

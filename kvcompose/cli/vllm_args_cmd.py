@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvcompose.cli.common import add_load_flags, cli_overrides, load
+from kvcompose.cli.common import FILE_HELP, add_load_flags, cli_overrides, load
 from kvcompose.config.render import python_form, shell_arg, to_json, vllm_args
 
 
@@ -14,7 +14,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "vllm-args", help="print the --kv-transfer-config that loads a config",
         description="Print the vLLM --kv-transfer-config JSON (and the Python "
                     "KVTransferConfig form) that loads a config as the KVCompose connector.")
-    parser.add_argument("file", metavar="FILE")
+    parser.add_argument("file", metavar="FILE", help=FILE_HELP)
     parser.add_argument("--by-path", action="store_true",
                         help="reference the file ({\"config\": \"/abs/path\"}) instead of "
                              "putting the tree inline; the file must exist where vLLM runs")

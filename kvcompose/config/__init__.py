@@ -11,7 +11,9 @@ Public API:
 - ``ConfigError``: raised for bad input, with a one-line message naming the path in the file.
 
 See ``docs/config.md`` for the file format. Nothing here imports vLLM unless vLLM is
-installed and the checks that need it run.
+installed and the checks that need it run. Any input, however large, deep, self-referring
+or malformed, ends in a result or a ``ConfigError`` within bounded work
+(``kvcompose.config.limits``).
 """
 
 from kvcompose.config.compile import NodeInfo

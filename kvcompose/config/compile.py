@@ -16,7 +16,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvcompose.config.document import document_dict
-from kvcompose.config.errors import ConfigError, ErrorItem, Path, did_you_mean, format_path
+from kvcompose.config.errors import (
+    ConfigError,
+    ErrorItem,
+    Path,
+    did_you_mean,
+    format_path,
+    located,
+    shown,
+    shown_list,
+)
 from kvcompose.config.messages import items_from_validation
 from kvcompose.tree import (
     TRANSFER_FIELDS,
@@ -81,11 +90,8 @@ class _Placed:
 def compile_document(data: Mapping[str, Any], label: str | None,
                      linemap: Mapping[Path, int] | None, translate: Translate) -> Compiled:
     def fail(items: list[ErrorItem]) -> ConfigError:
-        from kvcompose.config.errors import line_for
-
-        real = [translate(i.path) for i in items]
-        return ConfigError([ErrorItem(path, i.message, line_for(linemap, path))
-                            for path, i in zip(real, items, strict=True)], label)
+        return ConfigError([located(linemap, translate(i.path), i.message) for i in items],
+                           label)
 
     try:
         doc = Document.model_validate(dict(data))
@@ -107,6 +113,13 @@ def compile_document(data: Mapping[str, Any], label: str | None,
     return Compiled(tree=_rebuild(root, transfer), document=document_dict(doc, named),
                     transfer=transfer, hma=None if doc.hma == "auto" else bool(doc.hma),
                     version=doc.version, nodes=nodes, warnings=_warnings(named, placed))
+
+
+def check_tree(tree: Node) -> list[ErrorItem]:
+    """The checks that need the whole tree, for a tree that comes without a document (the
+    internal form): unique names, references to children, ``kv_transfer_params`` clashes."""
+    placed = list(_walk(_place(tree, (tree.kind,), None, None)))
+    return _assign_names(placed) + _check_references(placed) + _check_params(placed)
 
 
 def _place(node: Node, path: Path, parent: _Placed | None, index: int | None) -> _Placed:
@@ -153,15 +166,19 @@ def _assign_names(placed: list[_Placed]) -> list[ErrorItem]:
         else:
             taken[name] = (*p.path, "name")
         p.name = name
+    counters: dict[str, int] = {}  # per base name: the last suffix tried (linear, not n^2)
     for p in placed:
         if p.node.name is not None:
             continue
         base = p.node.connector if isinstance(p.node, Leaf) else p.node.kind
-        base = "".join(c if c.isalnum() or c in "_-" else "_" for c in base)[:56] or "node"
-        name, n = base, 1
+        base = "".join(c if c.isalnum() or c in "_-" else "_" for c in base[:56]) or "node"
+        name, n = base, counters.get(base, 1)
+        if n > 1:
+            name = f"{base}-{n}"
         while name in taken:
             n += 1
             name = f"{base}-{n}"
+        counters[base] = n
         taken[name] = p.path
         p.name = name
     return problems
@@ -172,14 +189,15 @@ def _check_references(placed: list[_Placed]) -> list[ErrorItem]:
     for p in placed:
         node = p.node
         kids = [c.name for c in p.children or ()]
+        known = set(kids)
 
         def ref(value: str, path: Path, what: str, kids: list[str] = kids,
-                p: _Placed = p) -> None:
-            if value not in kids:
-                problems.append(ErrorItem(path, f"{what} {value!r} is not a child of "
+                known: set[str] = known, p: _Placed = p) -> None:
+            if value not in known:
+                problems.append(ErrorItem(path, f"{what} {shown(value)} is not a child of "
                                           f"{p.node.kind} {p.name!r}"
                                           f"{did_you_mean(value, kids)} (children: "
-                                          f"{', '.join(kids)})"))
+                                          f"{shown_list(kids)})"))
 
         if isinstance(node, Route):
             ref(node.default, (*p.path, "default"), "default")
@@ -199,20 +217,24 @@ def _params_keys(leaf: Leaf) -> frozenset[str]:
 
 
 def _check_params(placed: list[_Placed]) -> list[ErrorItem]:
-    producers: list[tuple[_Placed, frozenset[str]]] = []
-    for p in placed:
+    """At most one leaf per ``kv_transfer_params`` key (linear: each key maps to the first
+    leaf that produces it)."""
+    owners: dict[str, tuple[int, _Placed, frozenset[str]]] = {}
+    for index, p in enumerate(placed):
         if not isinstance(p.node, Leaf) or not (keys := _params_keys(p.node)):
             continue
-        for other, other_keys in producers:
+        clashes = [owners[key] for key in keys if key in owners]
+        if clashes:
+            _, other, other_keys = min(clashes, key=lambda c: c[0])
             common = sorted(keys & other_keys)
-            if common:
-                shown = ", ".join(common[:4]) + (", ..." if len(common) > 4 else "")
-                return [ErrorItem(p.path, f"{p.name!r} ({p.node.connector}) and "
-                                  f"{other.name!r} ({other.node.connector}) would both "  # type: ignore[union-attr]
-                                  f"produce kv_transfer_params keys ({shown}): at most one "
-                                  "leaf may produce each key (set 'params_keys: []' on a leaf "
-                                  "that produces none)")]
-        producers.append((p, keys))
+            listed = ", ".join(common[:4]) + (", ..." if len(common) > 4 else "")
+            return [ErrorItem(p.path, f"{p.name!r} ({p.node.connector}) and "
+                              f"{other.name!r} ({other.node.connector}) would both "  # type: ignore[union-attr]
+                              f"produce kv_transfer_params keys ({listed}): at most one "
+                              "leaf may produce each key (set 'params_keys: []' on a leaf "
+                              "that produces none)")]
+        for key in keys:
+            owners[key] = (index, p, keys)
     return []
 
 

@@ -16,6 +16,14 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from kvcompose.config.env import ENV_CONFIG_FILE, ENV_FIELDS, ENV_PREFIX, ENV_SET
+from kvcompose.config.limits import (
+    MAX_ALIAS_NODES,
+    MAX_DEPTH,
+    MAX_FILE_BYTES,
+    MAX_INCLUDE_DEPTH,
+    MAX_INT_DIGITS,
+    size_text,
+)
 from kvcompose.tree import NAME_PATTERN, VERSION, Chain, Document, Fanout, Leaf, Route, RouteRule
 
 #: The prose of docs/config.md, with ``$name`` placeholders for the generated parts.
@@ -33,7 +41,9 @@ def render_markdown() -> str:
         document=_table(Document), leaf=_table(Leaf), chain=_table(Chain),
         fanout=_table(Fanout), route=_table(Route), rule=_table(RouteRule),
         pattern=NAME_PATTERN, env="\n".join(env_rows), env_set=ENV_SET,
-        env_file=ENV_CONFIG_FILE,
+        env_file=ENV_CONFIG_FILE, max_bytes=size_text(MAX_FILE_BYTES), max_depth=MAX_DEPTH,
+        max_alias=f"{MAX_ALIAS_NODES:,}", max_digits=MAX_INT_DIGITS,
+        max_include=MAX_INCLUDE_DEPTH,
     )
     return text
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from kvcompose.config.errors import ConfigError, did_you_mean
+from kvcompose.config.errors import ConfigError, did_you_mean, shown, shown_list
 from kvcompose.tree import NODE_KINDS, TRANSFER_FIELDS
 
 ENV_PREFIX = "KVCOMPOSE_"
@@ -52,7 +52,7 @@ class Override:
 def parse_value(text: str) -> Any:
     try:
         return yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: 5,000 digits
         return text
 
 
@@ -81,8 +81,8 @@ def parse_assignments(text: str, source: str) -> list[Override]:
         key, sep, value = part.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise ConfigError(f"{source}: {part!r} is not of the form 'node.key=value'")
-        out.append(Override(f"{source} {part!r}", key, parse_value(value.strip())))
+            raise ConfigError(f"{source}: {shown(part)} is not of the form 'node.key=value'")
+        out.append(Override(f"{source} {shown(part)}", key, parse_value(value.strip())))
     return out
 
 
@@ -116,8 +116,8 @@ def apply_override(document: dict[str, Any], override: Override) -> dict[str, An
     name, *keys = override.key.split(".")
     bodies = dict(_node_bodies(doc.get("tree")))
     if name not in bodies:
-        raise ConfigError(f"{override.source}: no node named {name!r}"
-                          f"{did_you_mean(name, bodies)} (nodes: {', '.join(bodies)})")
+        raise ConfigError(f"{override.source}: no node named {shown(name)}"
+                          f"{did_you_mean(name, bodies)} (nodes: {shown_list(bodies)})")
     if keys[0] in ("children", "name"):
         raise ConfigError(f"{override.source}: {keys[0]!r} cannot be overridden "
                           "(overrides change settings, not the shape of the tree)")

@@ -7,12 +7,39 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvcompose.config.limits import MAX_LISTED, MAX_MESSAGE, MAX_SHOWN
 from kvcompose.tree import describe
 
-__all__ = ["ConfigError", "ErrorItem", "Path", "describe", "did_you_mean", "format_path",
-           "line_for"]
+__all__ = ["ConfigError", "ErrorItem", "LineMap", "Path", "describe", "did_you_mean",
+           "format_path", "line_for", "located", "shown", "shown_list"]
 
 Path = tuple[str | int, ...]
+
+
+class LineMap(dict[Path, int]):
+    """The line of each document path, and the original text of the unquoted YAML scalars
+    that YAML 1.1 read as something else than they look (``no`` -> false, ``0123`` -> 83),
+    for a hint in the messages about them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hints: dict[Path, str] = {}
+
+
+def shown(value: Any, limit: int = MAX_SHOWN) -> str:
+    """``repr(value)``, shortened: messages never echo a huge value whole."""
+    if isinstance(value, str) and len(value) > limit:
+        text = repr(value[:limit])
+        return f"{text[:-1]}...{text[-1]}"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def shown_list(names: Iterable[Any], limit: int = MAX_LISTED) -> str:
+    """``a, b, c`` (at most ``limit`` of them, then how many more)."""
+    names = list(names)
+    head = ", ".join(str(n) if len(str(n)) <= MAX_SHOWN else shown(str(n)) for n in names[:limit])
+    return head + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 def format_path(path: Sequence[str | int]) -> str:
@@ -22,13 +49,16 @@ def format_path(path: Sequence[str | int]) -> str:
         if isinstance(part, int) and not isinstance(part, bool):
             out += f"[{part}]"
         else:
-            out += ("." if out else "") + str(part)
+            text = str(part)
+            if len(text) > MAX_SHOWN:
+                text = text[:MAX_SHOWN] + "..."
+            out += ("." if out else "") + text
     return out
 
 
 def did_you_mean(word: Any, choices: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` or an empty string."""
-    if not isinstance(word, str):
+    if not isinstance(word, str) or len(word) > 4 * MAX_SHOWN:
         return ""
     choices = list(choices)
     matches = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
@@ -76,16 +106,16 @@ class ConfigError(ValueError):
     def _render(self) -> str:
         if not self.items:
             return f"{self.label}: invalid config" if self.label else "invalid config"
-        first = self.items[0].render(self.label)
+        first = _one_line(self.items[0].render(self.label))
         more = len(self.items) - 1
         if more:
             first += f" (and {more} more problem{'s' if more > 1 else ''})"
-        return " ".join(first.split("\n"))
+        return first
 
     @property
     def lines(self) -> list[str]:
         """Every problem, one line each."""
-        return [item.render(self.label) for item in self.items]
+        return [_one_line(item.render(self.label)) for item in self.items]
 
     def relabel(self, label: str | None) -> ConfigError:
         return ConfigError(self.items, label)
@@ -95,6 +125,27 @@ class ConfigError(ValueError):
             return self
         return ConfigError([ErrorItem(i.path, i.message, i.line or line_for(linemap, i.path))
                             for i in self.items], self.label)
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(text.split("\n"))
+    if len(text) > MAX_MESSAGE:
+        text = text[:MAX_MESSAGE - 20] + " ... (shortened)"
+    return text
+
+
+def located(linemap: Mapping[Path, int] | None, path: Path, message: str) -> ErrorItem:
+    """A problem at ``path`` with its line, and a hint to quote the value when YAML read an
+    unquoted scalar there as a boolean or a number that looks like something else."""
+    text = getattr(linemap, "hints", {}).get(tuple(path))
+    if text is not None:
+        message += (f" (YAML reads the unquoted {text} as a {_yaml_kind(text)}: "
+                    f"quote it, \"{text}\", if you meant the text)")
+    return ErrorItem(tuple(path), message, line_for(linemap, path))
+
+
+def _yaml_kind(text: str) -> str:
+    return "boolean" if text.lower() in ("yes", "no", "on", "off", "y", "n") else "number"
 
 
 def line_for(linemap: Mapping[Path, int] | None, path: Path) -> int | None:

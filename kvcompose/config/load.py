@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from kvcompose.config.compile import NodeInfo, Translate, compile_document
+from kvcompose.config.compile import NodeInfo, Translate, check_tree, compile_document
 from kvcompose.config.document import document_from_tree
 from kvcompose.config.env import (
     ENV_CONFIG_FILE,
@@ -21,13 +22,41 @@ from kvcompose.config.env import (
     environ,
     mapping_overrides,
 )
-from kvcompose.config.errors import ConfigError, ErrorItem, Path, describe, line_for
-from kvcompose.config.source import Source, read_file
-from kvcompose.tree import NODE_KINDS, TRANSFER_FIELDS, TREE_KEY, VERSION, Node, parse_node, walk
+from kvcompose.config.errors import (
+    ConfigError,
+    ErrorItem,
+    Path,
+    describe,
+    format_path,
+    line_for,
+    located,
+    shown,
+    shown_list,
+)
+from kvcompose.config.include import Referrer, including
+from kvcompose.config.messages import items_from_validation
+from kvcompose.config.plain import check_plain
+from kvcompose.config.source import Source, gc_paused
+from kvcompose.tree import (
+    NODE_KINDS,
+    TRANSFER_FIELDS,
+    TREE_KEY,
+    VERSION,
+    Leaf,
+    Node,
+    parse_node,
+    walk,
+)
 
 #: Names vLLM loads the composite under.
 COMPOSITE_NAMES = ("KVCompose", "KVComposeHMA")
 EXTRA_CONFIG = "kv_connector_extra_config"
+#: Leaves whose connector is a kvcompose composite, with a tree of its own in
+#: ``extra_config``: (connector, module_path).
+NESTED_COMPOSITES = frozenset(
+    {(name, module) for name in COMPOSITE_NAMES
+     for module in (None, "kvcompose", "kvcompose.connector")}
+    | {("MultiConnector", "kvcompose.compat")})
 
 def _identity(path: Path) -> Path:
     return path
@@ -61,8 +90,8 @@ class Config:
 
     def error(self, path: Path, message: str) -> ConfigError:
         """A ``ConfigError`` about ``path`` (a document path), with file and line."""
-        real = self.translate(tuple(path))
-        return ConfigError(ErrorItem(real, message, line_for(self.linemap, real)), self.label)
+        return ConfigError(located(self.linemap, self.translate(tuple(path)), message),
+                           self.label)
 
     def leaf_paths(self) -> dict[str, Path]:
         return {n.name: n.path for n in self.nodes.values() if n.kind == "leaf"}
@@ -84,27 +113,16 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *,
     ``check_vllm``: run the checks that import vLLM (default: when vLLM is installed).
     """
     env = environ(env)
-    if isinstance(source, Source):  # already parsed (e.g. standard input)
-        src = source
-    elif isinstance(source, Mapping):
-        src = Source(dict(source))
-    elif isinstance(source, (str, os.PathLike)):
-        src = read_file(source)
-    else:
-        raise ConfigError(f"expected a file path or a mapping, got {describe(source)}")
-    if not isinstance(src.data, Mapping):
-        raise ConfigError(f"expected a mapping at the top level, got {describe(src.data)}",
-                          src.label)
-    data = dict(src.data)
-    if isinstance(data.get("kv_connector"), str) and data["kv_connector"] in COMPOSITE_NAMES:
-        config = _from_composite_args(data, src, env, overrides or [], check_vllm)
-    else:
-        config = _load(src, env_overrides(env) + list(overrides or []), check_vllm)
-    if isinstance(data.get("kv_connector"), str):
-        module = data.get("kv_connector_module_path")
-        config = dataclasses.replace(config, loaded_as=(
-            data["kv_connector"], module if isinstance(module, str) else None))
-    return config
+    with gc_paused():
+        if isinstance(source, Source):  # already parsed (e.g. standard input)
+            return _load_source(source, env, overrides or [], check_vllm)
+        if isinstance(source, Mapping):
+            check_plain(source, None)
+            return _load_source(Source(dict(source)), env, overrides or [], check_vllm)
+        if isinstance(source, (str, os.PathLike)):
+            with including(os.fspath(source)) as src:
+                return _load_source(src, env, overrides or [], check_vllm)
+    raise ConfigError(f"expected a file path or a mapping, got {describe(source)}")
 
 
 def load_tree(source: str | os.PathLike | Mapping[str, Any], *,
@@ -124,22 +142,18 @@ def config_from_extra_config(extra: Mapping[str, Any], *,
     vLLM MultiConnector's ``{"connectors": [...]}``. With none of these,
     ``KVCOMPOSE_CONFIG_FILE`` names the file. Every form but the first takes a ``set``
     mapping of ``node.key`` overrides and honours the environment.
+
+    Whatever ``extra`` holds, the result is a ``Config`` or a ``ConfigError``: the same
+    bounds and checks as for files apply (see ``kvcompose.config.limits``).
     """
-    label = EXTRA_CONFIG
     if not isinstance(extra, Mapping):
-        raise ConfigError(f"expected a mapping, got {describe(extra)}", label)
-    if TREE_KEY in extra:
-        try:
-            tree = parse_node(extra[TREE_KEY])
-        except ValidationError as exc:  # internal form: a bug elsewhere if this fails
-            raise ConfigError(f"{TREE_KEY}: malformed internal tree ({exc.error_count()} "
-                              f"problems, first: {exc.errors()[0]['msg']})", label) from None
-        return Config(tree=tree, label=label, origin="internal",
-                      nodes={n.name: NodeInfo(n.name, n.kind, (), None, None)  # type: ignore[arg-type]
-                             for _, n in walk(tree)})
-    env = environ(env)
-    src, late, _ = _split_extra(dict(extra), env, Source({}, label), ())
-    return _load(src, env_overrides(env) + late, check_vllm)
+        raise ConfigError(f"expected a mapping, got {describe(extra)}", EXTRA_CONFIG)
+    extra = dict(extra)
+    if isinstance(extra.get("config"), os.PathLike):
+        extra["config"] = os.fspath(extra["config"])
+    with gc_paused():
+        check_plain(extra, EXTRA_CONFIG)
+        return _from_extra(extra, environ(env), check_vllm, Source({}, EXTRA_CONFIG), ())
 
 
 def tree_from_extra_config(extra: Mapping[str, Any], *,
@@ -160,38 +174,115 @@ def vllm_available() -> bool:
 # --------------------------------------------------------------------------- pipeline
 
 
+@dataclass
+class _Found:
+    """Where an extra config's document is: inline, or in a file named at ``referrer``;
+    and the override keys given next to it."""
+
+    overrides: list[Override]
+    inline: Source | None = None
+    file: str | None = None
+    referrer: Referrer | None = None
+
+
+@contextlib.contextmanager
+def _opened(found: _Found) -> Iterator[Source]:
+    if found.inline is not None:
+        yield found.inline
+    else:
+        assert found.file is not None
+        with including(found.file, found.referrer) as src:
+            yield src
+
+
+def _from_extra(extra: dict[str, Any], env: Mapping[str, str], check_vllm: bool | None,
+                outer: Source, prefix: Path) -> Config:
+    """An extra config's tree; ``prefix`` is where ``extra`` sits in ``outer`` (a nested
+    KVCompose leaf's ``extra_config``), ``()`` for vLLM's own."""
+    if TREE_KEY in extra:
+        return _internal(extra[TREE_KEY], outer.label, (*prefix, TREE_KEY))
+    found = _split_extra(extra, env, outer, prefix)
+    with _opened(found) as src:
+        translate = _identity
+        if found.inline is not None and prefix:
+            def translate(path: Path) -> Path:
+                return (*prefix, *path)
+        return _load(src, env_overrides(env) + found.overrides, check_vllm, env=env,
+                     translate=translate)
+
+
+def _parse_internal(data: Any, label: str | None, where: Path) -> Node:
+    try:
+        return parse_node(data)
+    except ValidationError as exc:
+        first = items_from_validation(exc)[0]
+        raise ConfigError(ErrorItem(where, f"malformed internal tree: {format_path(first.path)}: "
+                                           f"{first.message}"), label) from None
+
+
+def _internal(data: Any, label: str | None, where: Path) -> Config:
+    """The canonical subtree a composite hands a nested one: checked, never changed."""
+    tree = _parse_internal(data, label, where)
+    problems = check_tree(tree)
+    if problems:
+        raise ConfigError(ErrorItem(where, f"malformed internal tree: "
+                                           f"{format_path(problems[0].path)}: "
+                                           f"{problems[0].message}"), label)
+    return Config(tree=tree, label=label, origin="internal",
+                  nodes={n.name: NodeInfo(n.name, n.kind, (), None, None)  # type: ignore[arg-type]
+                         for _, n in walk(tree)})
+
+
 def _split_extra(extra: dict[str, Any], env: Mapping[str, str], outer: Source,
-                 prefix: Path) -> tuple[Source, list[Override], bool]:
-    """Where the document of an extra config comes from (and whether it is inline), and the
-    override keys given next to it."""
+                 prefix: Path) -> _Found:
+    """Where the document of an extra config comes from, and the override keys given next
+    to it."""
     label = outer.label or EXTRA_CONFIG
-    inline = Source(extra, label, outer.linemap, outer.path)
     late: list[Override] = []
     if "set" in extra:
         late = mapping_overrides(extra.pop("set"), _dotted(prefix, "set"))
     has_tree = "connectors" in extra or "tree" in extra or any(k in extra for k in NODE_KINDS)
     if has_tree and "config" not in extra:
-        return inline, late, True
+        return _Found(late, inline=Source(extra, label, outer.linemap, outer.path))
+    top = [Override(_dotted(prefix, key), key, value) for key, value in extra.items()
+           if key != "config"]
     if "config" in extra:
-        path = extra.pop("config")
-        if not isinstance(path, (str, os.PathLike)):
-            raise ConfigError(ErrorItem((*prefix, "config"),
-                                        f"expected a file path, got {describe(path)}",
-                                        line_for(outer.linemap, (*prefix, "config"))), label)
-        top = [Override(_dotted(prefix, key), key, value) for key, value in extra.items()]
-        return read_file(path), top + late, False
+        path = extra["config"]
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            got = "an empty string" if path == "" else describe(path)
+            raise ConfigError(located(outer.linemap, (*prefix, "config"),
+                                      f"expected a file path, got {got}"), label)
+        return _Found(top + late, file=os.fspath(path),
+                      referrer=Referrer(label, (*prefix, "config"), outer.linemap))
     if env.get(ENV_CONFIG_FILE):
-        top = [Override(_dotted(prefix, key), key, value) for key, value in extra.items()]
-        return read_file(env[ENV_CONFIG_FILE]), top + late, False
-    got = ", ".join(repr(k) for k in extra) or "none"
-    raise ConfigError(ErrorItem(prefix, "no tree given: expected 'tree' (an inline tree), "
-                                "'config' (a file path) or 'connectors' (MultiConnector form), "
-                                f"or set {ENV_CONFIG_FILE}; got keys: {got}",
-                                line_for(outer.linemap, prefix)), label)
+        return _Found(top + late, file=env[ENV_CONFIG_FILE], referrer=Referrer(ENV_CONFIG_FILE))
+    got = shown_list(repr(k) for k in extra) or "none"
+    needs = "a nested KVCompose connector needs its own tree: " if prefix else ""
+    raise ConfigError(located(outer.linemap, prefix, f"{needs}no tree given: expected 'tree' "
+                              "(an inline tree), 'config' (a file path) or 'connectors' "
+                              f"(MultiConnector form), or set {ENV_CONFIG_FILE}; got keys: "
+                              f"{got}"), label)
 
 
 def _dotted(prefix: Path, key: str) -> str:
-    return ".".join([*(str(p) for p in prefix), key]) if prefix else f"{EXTRA_CONFIG}.{key}"
+    return format_path((*prefix, key)) if prefix else f"{EXTRA_CONFIG}.{key}"
+
+
+def _load_source(src: Source, env: Mapping[str, str], overrides: list[Override],
+                 check_vllm: bool | None) -> Config:
+    if not isinstance(src.data, Mapping):
+        raise ConfigError(f"expected a mapping at the top level, got {describe(src.data)}",
+                          src.label)
+    data = dict(src.data)
+    if isinstance(data.get("kv_connector"), str) and data["kv_connector"] in COMPOSITE_NAMES:
+        config = _from_composite_args(data, src, env, overrides, check_vllm)
+    else:
+        config = _load(src, env_overrides(env) + overrides, check_vllm, env=env)
+    if isinstance(data.get("kv_connector"), str):
+        module = data.get("kv_connector_module_path")
+        config = dataclasses.replace(config, loaded_as=(
+            data["kv_connector"], module if isinstance(module, str) else None))
+    return config
 
 
 def _from_composite_args(data: dict[str, Any], src: Source, env: Mapping[str, str],
@@ -204,31 +295,35 @@ def _from_composite_args(data: dict[str, Any], src: Source, env: Mapping[str, st
                           src.label)
     parent = {k: v for k, v in data.items() if k in TRANSFER_FIELDS and v is not None}
     if TREE_KEY in extra:  # the internal form, in a file: validate it like any document
-        tree = config_from_extra_config({TREE_KEY: extra[TREE_KEY]}, env={}).tree
+        tree = _parse_internal(extra[TREE_KEY], src.label, (EXTRA_CONFIG, TREE_KEY))
         doc = document_from_tree(tree, parent)
         if extra.get("strict"):
             doc["strict"] = True
         return _load(Source(doc, src.label, None, src.path),
-                     env_overrides(env) + list(overrides), check_vllm, origin="internal")
-    inner, late, inline = _split_extra(dict(extra), env, src, (EXTRA_CONFIG,))
-    everything = env_overrides(env) + late + list(overrides)
-    if not isinstance(inner.data, Mapping):
-        raise ConfigError(f"expected a mapping at the top level, got {describe(inner.data)}",
-                          inner.label)
-    merged = Source({**parent, **inner.data}, inner.label, inner.linemap, inner.path)
-    if not inline:
-        return _load(merged, everything, check_vllm)
+                     env_overrides(env) + list(overrides), check_vllm, env=env,
+                     origin="internal")
+    found = _split_extra(dict(extra), env, src, (EXTRA_CONFIG,))
+    everything = env_overrides(env) + found.overrides + list(overrides)
+    with _opened(found) as inner:
+        if not isinstance(inner.data, Mapping):
+            raise ConfigError(f"expected a mapping at the top level, got "
+                              f"{describe(inner.data)}", inner.label)
+        merged = Source({**parent, **inner.data}, inner.label, inner.linemap, inner.path)
+        if found.inline is None:
+            return _load(merged, everything, check_vllm, env=env)
 
-    def translate(path: Path) -> Path:
-        if path and path[0] in parent and path[0] not in inner.data:
-            return path
-        return (EXTRA_CONFIG, *path)
+        def translate(path: Path) -> Path:
+            if path and path[0] in parent and path[0] not in inner.data:
+                return path
+            return (EXTRA_CONFIG, *path)
 
-    return _load(merged, everything, check_vllm, translate=translate, origin="kvcompose-args")
+        return _load(merged, everything, check_vllm, env=env, translate=translate,
+                     origin="kvcompose-args")
 
 
 def _load(src: Source, overrides: list[Override], check_vllm: bool | None, *,
-          translate: Translate = _identity, origin: str = "document") -> Config:
+          env: Mapping[str, str], translate: Translate = _identity,
+          origin: str = "document") -> Config:
     data = src.data
     if not isinstance(data, Mapping):
         raise ConfigError(f"expected a mapping at the top level, got {describe(data)}",
@@ -247,14 +342,17 @@ def _load(src: Source, overrides: list[Override], check_vllm: bool | None, *,
         data, translate = document_from_multiconnector(data, translate, src)
         origin = "multiconnector"
     elif "kv_connector" in data and "tree" not in data:
-        raise ConfigError(ErrorItem(translate(("kv_connector",)),
-                                    f"{data['kv_connector']!r} is a single connector: kvcompose "
-                                    "reads its own documents, KVCompose and MultiConnector "
-                                    "configs", line_for(src.linemap, ("kv_connector",))),
-                          src.label)
+        name = data["kv_connector"]
+        why = ("is the kvcompose connector itself: name a kvcompose document here, not a "
+               "--kv-transfer-config" if name in COMPOSITE_NAMES else
+               "is a single connector: kvcompose reads its own documents, KVCompose and "
+               "MultiConnector configs")
+        raise ConfigError(located(src.linemap, translate(("kv_connector",)),
+                                  f"{shown(name)} {why}"), src.label)
     compiled = compile_document(data, src.label, src.linemap, translate)
     applied: list[str] = []
     for override in overrides:
+        check_plain(override.value, override.source)
         document = apply_override(compiled.document, override)
         try:
             compiled = compile_document(document, override.source, None, _identity)
@@ -266,6 +364,7 @@ def _load(src: Source, overrides: list[Override], check_vllm: bool | None, *,
         hma=compiled.hma, version=compiled.version, label=src.label, path=src.path,
         nodes=compiled.nodes, warnings=tuple(compiled.warnings), overrides=tuple(applied),
         origin=origin, linemap=src.linemap, translate=translate)
+    _check_nested(config, env, check_vllm)
     if check_vllm is None:
         check_vllm = vllm_available()
     if check_vllm:
@@ -275,3 +374,26 @@ def _load(src: Source, overrides: list[Override], check_vllm: bool | None, *,
         config = dataclasses.replace(config, facts=facts,
                                      warnings=config.warnings + tuple(facts.warnings()))
     return config
+
+
+def _check_nested(config: Config, env: Mapping[str, str], check_vllm: bool | None) -> None:
+    """Load the tree of every leaf that is itself a kvcompose composite, as vLLM will when
+    it builds that leaf: a missing or broken nested tree, or a file that includes itself,
+    is refused now rather than in vLLM's engine."""
+    for _, node in walk(config.tree):
+        if not isinstance(node, Leaf) or (node.connector, node.module_path) not in \
+                NESTED_COMPOSITES:
+            continue
+        info = config.nodes.get(node.name)
+        where = config.translate((*(info.path if info else ()), "extra_config"))
+        outer = Source(None, config.label, config.linemap or None, config.path)  # type: ignore[arg-type]
+        try:
+            _from_extra(dict(node.extra_config), env, check_vllm, outer, where)
+        except ConfigError as exc:
+            if exc.label == config.label:
+                raise
+            line = line_for(config.linemap, where)
+            at = f"{config.label}:{line}" if line else str(config.label)
+            raise ConfigError([ErrorItem(i.path, f"{i.message} (in the tree of {at}: "
+                                                 f"{format_path(where[:-1])})", i.line)
+                               for i in exc.items], exc.label) from None

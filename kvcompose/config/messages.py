@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from kvcompose.config.errors import ErrorItem, Path, describe, did_you_mean
+from kvcompose.config.errors import ErrorItem, Path, describe, did_you_mean, shown
 from kvcompose.tree import (
     NODE_KIND_ERROR,
     NODE_KINDS,
@@ -146,19 +146,22 @@ def _item(err: dict[str, Any]) -> ErrorItem:
         return ErrorItem(loc, f"{_TYPES[kind]}, got {describe(value)}")
     if kind == "literal_error":
         options = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
-        shown = ", ".join(repr(o) for o in options)
+        listed = ", ".join(repr(o) for o in options)
         hint = did_you_mean(value, options)
-        return ErrorItem(loc, f"must be one of {shown}, got {describe(value)}{hint}")
+        return ErrorItem(loc, f"must be one of {listed}, got {describe(value)}{hint}")
     if kind == "string_pattern_mismatch" and loc and loc[-1] == "name":
-        return ErrorItem(loc, f"invalid node name {value!r}: use letters, digits, '_' and "
+        return ErrorItem(loc, f"invalid node name {shown(value)}: use letters, digits, '_' and "
                               "'-' (at most 64 characters, no dots)")
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
         sign = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<",
                 "less_than_equal": "<="}[kind]
         bound = next(iter(ctx.values()), "?")
-        return ErrorItem(loc, f"must be {sign} {bound}, got {value!r}")
+        return ErrorItem(loc, f"must be {sign} {bound}, got {shown(value)}")
     if kind == "string_too_short":
         return ErrorItem(loc, "must not be empty")
+    if kind == "string_too_long":
+        return ErrorItem(loc, f"too long ({len(value)} characters; at most "
+                              f"{ctx.get('max_length', '?')})")
     if kind == "invalid_key":
         return ErrorItem(loc[:-1], f"keys must be strings, got {describe(loc[-1])}")
     message = str(err.get("msg", "invalid value"))
@@ -173,7 +176,7 @@ def _unknown_key(loc: Path) -> str:
     allowed = list(model.model_fields) if model and model is not _NodeKey else []
     late = (*TRANSFER_FIELDS, "transfer_config")
     allowed = [k for k in allowed if k not in late] + [k for k in allowed if k in late]
-    text = f"unknown key {key!r}"
+    text = f"unknown key {shown(key)}"
     if model is _NodeKey and isinstance(key, str):
         for kind in NODE_KINDS:
             if key in _BODY[kind].model_fields:

@@ -14,7 +14,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvcompose.config.errors import ConfigError, ErrorItem, Path, describe, did_you_mean, line_for
+from kvcompose.config.errors import (
+    ConfigError,
+    ErrorItem,
+    Path,
+    describe,
+    did_you_mean,
+    line_for,
+    shown,
+)
 from kvcompose.config.source import Source
 from kvcompose.tree import (
     DEFAULT_LOOKUP_TIMEOUT_S,
@@ -70,7 +78,7 @@ def document_from_multiconnector(data: Mapping[str, Any], translate: Any, src: S
     if "kv_connector" in data:
         for key in data:
             if key not in fields:
-                raise fail((key,), f"unknown KVTransferConfig key {key!r}"
+                raise fail((key,), f"unknown KVTransferConfig key {shown(key)}"
                                    f"{did_you_mean(key, fields)}")
         for key, value in data.items():
             if key not in OWN_FIELDS:
@@ -88,7 +96,7 @@ def document_from_multiconnector(data: Mapping[str, Any], translate: Any, src: S
     for key in extra:
         if key not in allowed:
             real = translate((*prefix, key))
-            raise ConfigError(ErrorItem(real, f"unknown key {key!r}"
+            raise ConfigError(ErrorItem(real, f"unknown key {shown(key)}"
                                         f"{did_you_mean(key, allowed)}",
                                         line_for(src.linemap, real)), src.label)
         if key in EXTRA_KEYS or key in TRANSFER_FIELDS or key == "transfer_config":
@@ -118,12 +126,13 @@ def _chain(extra: Mapping[str, Any], fields: tuple[str, ...], fail: Any) -> dict
         if not isinstance(child, Mapping):
             raise fail(here[:-1], f"expected a connector config (a mapping), got "
                                   f"{describe(child)}")
-        if "kv_connector" not in child:
-            raise fail(here[:-1], "missing required key 'kv_connector'")
-        for key in child:
+        for key in child:  # first: a typo explains a missing kv_connector
             if key not in fields:
                 raise fail((*here, _TO_LEAF.get(key, key)),
-                           f"unknown KVTransferConfig key {key!r}{did_you_mean(key, fields)}")
+                           f"unknown KVTransferConfig key {shown(key)}"
+                           f"{did_you_mean(key, fields)}")
+        if "kv_connector" not in child:
+            raise fail(here[:-1], "missing required key 'kv_connector'")
         if child.get("kv_connector") == MULTI and child.get("kv_connector_module_path") in (
                 None, COMPAT_MODULE):
             nested = child.get(EXTRA)

@@ -1,15 +1,41 @@
-"""Reading YAML and JSON files into plain data plus a map from document paths to lines."""
+"""Reading config files and standard input into plain data plus the line of each path.
+
+Files and standard input take the same road: bytes (at most ``MAX_FILE_BYTES``), UTF-8 with
+or without a BOM (a bad byte or a NUL is reported with its line), then JSON or YAML. JSON
+is ``.json`` files, and standard input that parses as JSON; everything else is YAML.
+Either way the result is plain JSON data: ``yamlscan`` refuses what is not, and duplicate
+keys, before anything is built.
+
+YAML is composed once, with libyaml when PyYAML has it, and built from the same node graph.
+"""
 
 from __future__ import annotations
 
+import codecs
+import contextlib
+import errno
+import gc
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import yaml
 
-from kvcompose.config.errors import ConfigError, ErrorItem, Path
+from kvcompose.config.errors import ConfigError, ErrorItem, LineMap
+from kvcompose.config.limits import (
+    CLEAR_SYNTAX_ERRORS_BYTES,
+    MAX_DEPTH,
+    MAX_FILE_BYTES,
+    MAX_INT_DIGITS,
+    size_text,
+)
+from kvcompose.config.plain import check_plain
+from kvcompose.config.yamlscan import build, scan
+
+_Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+STDIN = "<stdin>"
 
 
 @dataclass
@@ -18,97 +44,226 @@ class Source:
 
     data: Any
     label: str | None = None
-    linemap: dict[Path, int] = field(default_factory=dict)
+    linemap: LineMap = field(default_factory=LineMap)
     path: str | None = None  # the file, when there is one
 
 
 def read_file(path: str | os.PathLike) -> Source:
     """Parse a YAML (``.yaml``/``.yml``/anything else) or JSON (``.json``) file."""
     label = os.fspath(path)
+    raw = read_bytes(label)
+    return parse_bytes(raw, label, "json" if label.lower().endswith(".json") else "yaml",
+                       path=label)
+
+
+def read_stream(stream: IO[Any], label: str = STDIN) -> Source:
+    """Parse standard input (or another stream): JSON when it parses as JSON, else YAML."""
+    raw = stream.read(MAX_FILE_BYTES + 1)
+    if isinstance(raw, str):  # a text stream without a buffer (tests)
+        raw = raw.encode("utf-8", "surrogateescape")
+    _check_size(len(raw), label)
+    return parse_bytes(raw, label, "auto")
+
+
+def read_bytes(path: str) -> bytes:
+    """A file's bytes; ``ConfigError`` (labelled with the path) when it cannot be read or is
+    larger than ``MAX_FILE_BYTES``."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        raise ConfigError("no such file", label) from None
-    except IsADirectoryError:
-        raise ConfigError("is a directory, not a config file", label) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read: {exc}", label) from None
+        with open(path, "rb") as fh:
+            with contextlib.suppress(OSError):
+                size = os.fstat(fh.fileno()).st_size
+                _check_size(size, path)
+            raw = fh.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(_os_error(exc), path) from None
+    _check_size(len(raw), path)
+    return raw
+
+
+def _check_size(size: int, label: str) -> None:
+    if size > MAX_FILE_BYTES:
+        shown = "larger than" if size == MAX_FILE_BYTES + 1 else f"{size_text(size)}, more than"
+        raise ConfigError(f"too large for a config file ({shown} {size_text(MAX_FILE_BYTES)})",
+                          label)
+
+
+def _os_error(exc: OSError) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return "no such file"
+    if isinstance(exc, IsADirectoryError):
+        return "is a directory, not a config file"
+    if exc.errno == errno.ELOOP:
+        return "too many levels of symbolic links (a symlink loop?)"
+    if isinstance(exc, PermissionError):
+        return "permission denied"
+    return f"cannot read: {exc.strerror or exc}"
+
+
+def parse_bytes(raw: bytes, label: str, kind: str, *, path: str | None = None) -> Source:
+    """``kind``: ``json``, ``yaml`` or ``auto`` (JSON when the text parses as JSON)."""
+    text = decode(raw, label)
+    if kind == "auto":
+        kind = "json" if text.lstrip()[:1] in ("{", "[") and _is_json(text) else "yaml"
+    source = parse_json(text, label) if kind == "json" else parse_yaml(text, label)
+    source.path = path
+    return source
+
+
+def _is_json(text: str) -> bool:
     try:
-        if label.lower().endswith(".json"):
-            return parse_json(text, label)
-        return parse_yaml(text, label)
-    except RecursionError:
-        raise ConfigError("nested too deeply", label) from None
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def decode(raw: bytes, label: str) -> str:
+    """UTF-8 text (a BOM is dropped); bad bytes and NUL bytes are reported with their line."""
+    if raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8):]
+    elif raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise ConfigError(ErrorItem((), "UTF-16 text: save the config as UTF-8", 1), label)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - raw.rfind(b"\n", 0, exc.start)
+        raise ConfigError(ErrorItem((), f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at "
+                                        f"column {column} cannot be decoded", line),
+                          label) from None
+    nul = text.find("\x00")
+    if nul >= 0:
+        line = text.count("\n", 0, nul) + 1
+        column = nul - text.rfind("\n", 0, nul)
+        raise ConfigError(ErrorItem((), f"NUL byte at column {column}: a config is text, is "
+                                        "this a binary file?", line), label)
+    return text
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector: building many objects at once (nodes, data,
+    models) otherwise triggers collections that make loading superlinear. Nothing built
+    here forms reference cycles, so nothing waits on the collector meanwhile."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+class _Refused(ValueError):
+    """Something JSON's parser accepts that a config must not hold."""
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Refused(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _constant(text: str) -> Any:
+    raise _Refused(f"{text} is not valid JSON (NaN and infinities have no JSON form)")
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _Refused(f"integer with {len(text.lstrip('-'))} digits is too large (at most "
+                       f"{MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _Refused(f"number {text[:20]}... is too large")
+    return value
 
 
 def parse_json(text: str, label: str | None = None) -> Source:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(ErrorItem((), f"JSON syntax error: {exc.msg} (column {exc.colno})",
-                                    exc.lineno), label) from None
-    linemap: dict[Path, int] = {}
-    try:  # JSON is (nearly) YAML: reuse the YAML composer for line numbers
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if node is not None:
-            _walk(node, (), linemap, dupes=None)
-    except yaml.YAMLError:
-        linemap = {}
+    with gc_paused():
+        try:
+            data = json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant,
+                              parse_int=_int, parse_float=_float)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(ErrorItem((), f"JSON syntax error: {exc.msg} (column "
+                                        f"{exc.colno})", exc.lineno), label) from None
+        except _Refused as exc:
+            _lines(text, label)  # raises the same problem with its line, when it can
+            raise ConfigError(str(exc), label) from None
+        except RecursionError:
+            raise ConfigError(f"nested more than {MAX_DEPTH} levels deep", label) from None
+        linemap = _lines(text, label)
+        if linemap is None:  # YAML cannot compose this JSON: check the data instead
+            check_plain(data, label)
+            linemap = LineMap()
     return Source(data, label, linemap, label)
+
+
+def _lines(text: str, label: str | None) -> LineMap | None:
+    """The line map of JSON text, from the YAML composer; None when it cannot compose it."""
+    try:
+        node = _compose(text)
+    except (yaml.YAMLError, RecursionError):
+        return None
+    return scan(node, label, json_text=True) if node is not None else LineMap()
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+def _compose(text: str) -> yaml.Node | None:
+    loader = _Loader(text)
+    try:
+        return loader.get_single_node()
+    finally:
+        loader.dispose()
 
 
 def parse_yaml(text: str, label: str | None = None) -> Source:
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        raise ConfigError(_yaml_error(exc), label) from None
-    if node is None:
-        raise ConfigError("empty document", label)
-    linemap: dict[Path, int] = {}
-    dupes: list[ErrorItem] = []
-    _walk(node, (), linemap, dupes)
-    if dupes:
-        raise ConfigError(dupes, label)
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:  # pragma: no cover - compose already succeeded
-        raise ConfigError(_yaml_error(exc), label) from None
+    with gc_paused():
+        loader = _Loader(text)
+        try:
+            try:
+                node = loader.get_single_node()
+            except yaml.YAMLError as exc:
+                raise ConfigError(_yaml_error(exc, text), label) from None
+            except RecursionError:
+                raise ConfigError(f"nested more than {MAX_DEPTH} levels deep", label) from None
+            if node is None:
+                raise ConfigError("empty document", label)
+            data, linemap = build(node, label)
+        finally:
+            loader.dispose()
     return Source(data, label, linemap, label)
 
 
-def _yaml_error(exc: yaml.YAMLError) -> ErrorItem:
+def _yaml_error(exc: yaml.YAMLError, text: str) -> ErrorItem:
+    if _Loader is not yaml.SafeLoader and len(text) <= CLEAR_SYNTAX_ERRORS_BYTES:
+        try:  # PyYAML's own parser words its errors better than libyaml
+            yaml.compose(text, Loader=yaml.SafeLoader)
+        except yaml.YAMLError as clearer:
+            exc = clearer
+        except RecursionError:
+            pass
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or str(exc)
+    if "maximum nesting depth" in problem:  # libyaml's own limit (1000)
+        return ErrorItem((), f"nested more than {MAX_DEPTH} levels deep",
+                         mark.line + 1 if mark is not None else None)
     context = getattr(exc, "context", None)
-    text = f"YAML syntax error: {problem}"
+    message = f"YAML syntax error: {problem}"
     if context:
-        text += f" ({context})"
+        message += f" ({context})"
     line = mark.line + 1 if mark is not None else None
     if mark is not None:
-        text += f" (column {mark.column + 1})"
-    return ErrorItem((), text, line)
-
-
-def _walk(node: yaml.Node, path: Path, linemap: dict[Path, int],
-          dupes: list[ErrorItem] | None, depth: int = 0) -> None:
-    if depth > 200:  # recursive aliases
-        return
-    linemap.setdefault(path, node.start_mark.line + 1)
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-            if key is None or key == "<<":
-                continue
-            line = key_node.start_mark.line + 1
-            if key in seen and dupes is not None:
-                dupes.append(ErrorItem((*path, key), f"duplicate key {key!r} "
-                                       f"(first set on line {seen[key]})", line))
-            seen.setdefault(key, line)
-            linemap[(*path, key)] = line
-            _walk(value_node, (*path, key), linemap, dupes, depth + 1)
-            linemap[(*path, key)] = line  # the key's line, not the value's
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            _walk(item, (*path, index), linemap, dupes, depth + 1)
+        message += f" (column {mark.column + 1})"
+    return ErrorItem((), message, line)

@@ -2,18 +2,26 @@
 
 Imported only when vLLM is installed and the checks are wanted; everything here imports
 vLLM lazily, inside the functions.
+
+The checks import the user's connector and predicate modules and call connector class
+methods: that code runs with ``sys.stdout`` sent to ``sys.stderr`` (so ``vllm-args --json``
+stays one clean line), and a ``sys.exit()`` in it becomes a ``ConfigError`` at the leaf,
+instead of ending the CLI (or vLLM's engine process) without a word.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
-from kvcompose.config.errors import did_you_mean
+from kvcompose.config.errors import did_you_mean, shown
 from kvcompose.tree import Leaf, Route, child_transfer_config, walk
 
 #: Connectors vLLM special-cases by name (``KVTransferConfig.has_connector``, HiSparse,
@@ -63,8 +71,8 @@ class VllmFacts:
         layouts = self.layouts
         if len(layouts) <= 1:
             return []
-        shown = "; ".join(f"{layout} ({', '.join(names)})" for layout, names in layouts.items())
-        return [f"leaves require different KV cache layouts: {shown}; the composite refuses "
+        listed = "; ".join(f"{layout} ({', '.join(names)})" for layout, names in layouts.items())
+        return [f"leaves require different KV cache layouts: {listed}; the composite refuses "
                 "to start where these apply"]
 
 
@@ -87,7 +95,6 @@ def inspect_config(config: Any) -> VllmFacts:
     ``hma: true``, and route predicates that do not import.
     """
     from vllm.config.kv_transfer import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
     from vllm.utils.func_utils import supports_kw
 
     reg = registry()
@@ -100,50 +107,91 @@ def inspect_config(config: Any) -> VllmFacts:
         if not isinstance(node, Leaf):
             continue
         path = paths.get(node.name, ())
-        cls = _resolve(config, node, path, reg, supports_kw)
-        for key in node.transfer_config:
-            if key not in ktc_fields:
-                raise config.error((*path, "transfer_config", key),
-                                   f"{key!r} is not a KVTransferConfig field in this vLLM"
-                                   f"{did_you_mean(key, ktc_fields)}")
-        kwargs = child_transfer_config({}, node)
-        kwargs.setdefault("kv_role", "kv_both")  # the composite's own role fills it in
-        try:
-            ktc = KVTransferConfig(**kwargs)
-        except Exception as exc:
-            raise config.error(path, f"vLLM rejects this child's KVTransferConfig: "
-                                     f"{_one_line(exc)}") from None
-        info = LeafFacts(node.name, node.connector, getattr(cls, "__name__", "?"))
-        info.supports_hma = bool(supports_hma(cls))
-        try:
-            info.piecewise = bool(cls.requires_piecewise_for_cudagraph(dict(node.extra_config)))
-        except Exception as exc:
-            info.note = f"requires_piecewise_for_cudagraph failed: {_one_line(exc)}"
-        info.layout, info.layout_scope = _layout(cls, ktc)
-        if config.hma is True and not info.supports_hma:
-            raise config.error((*path, "connector"),
-                               f"{node.connector!r} does not support HMA (the hybrid KV cache "
-                               "manager), which this config requires (hma: true)")
-        facts.leaves[node.name] = info
+        with _user_code(config, path, f"connector {shown(node.connector)}"):
+            _check_leaf(config, node, path, reg, supports_kw, ktc_fields, facts)
     return facts
+
+
+def _check_leaf(config: Any, node: Leaf, path: tuple, reg: dict[str, Any], supports_kw: Any,
+                ktc_fields: set[str], facts: VllmFacts) -> None:
+    """One leaf's checks and facts."""
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    cls = _resolve(config, node, path, reg, supports_kw)
+    for key in node.transfer_config:
+        if key not in ktc_fields:
+            raise config.error((*path, "transfer_config", key),
+                               f"{shown(key)} is not a KVTransferConfig field in this vLLM"
+                               f"{did_you_mean(key, ktc_fields)}")
+    kwargs = child_transfer_config({}, node)
+    kwargs.setdefault("kv_role", "kv_both")  # the composite's own role fills it in
+    try:
+        ktc = KVTransferConfig(**kwargs)
+    except Exception as exc:
+        raise config.error(path, f"vLLM rejects this child's KVTransferConfig: "
+                                 f"{_one_line(exc)}") from None
+    info = LeafFacts(node.name, node.connector, getattr(cls, "__name__", "?"))
+    info.supports_hma = bool(supports_hma(cls))
+    try:
+        info.piecewise = bool(cls.requires_piecewise_for_cudagraph(dict(node.extra_config)))
+    except Exception as exc:
+        info.note = f"requires_piecewise_for_cudagraph failed: {_one_line(exc)}"
+    info.layout, info.layout_scope = _layout(cls, ktc)
+    if config.hma is True and not info.supports_hma:
+        raise config.error((*path, "connector"),
+                           f"{shown(node.connector)} does not support HMA (the hybrid KV "
+                           "cache manager), which this config requires (hma: true)")
+    facts.leaves[node.name] = info
+
+
+@contextlib.contextmanager
+def _user_code(config: Any, where: tuple, what: str) -> Iterator[None]:
+    """Run code from connector or predicate modules: its prints go to stderr, and a
+    ``sys.exit()`` becomes a ``ConfigError`` at ``where``."""
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            yield
+        except SystemExit as exc:
+            raise config.error(where, f"{what}: its code called sys.exit({exc.code!r}) "
+                                      "while being checked") from None
+
+
+def _import(config: Any, where: tuple, name: str) -> ModuleType:
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            return importlib.import_module(name)
+        except SystemExit as exc:
+            raise config.error(where, f"cannot import module {shown(name)}: it calls "
+                                      f"sys.exit({exc.code!r}) on import") from None
+        except Exception as exc:
+            raise config.error(where, f"cannot import module {shown(name)} "
+                                      f"({_one_line(exc)})") from None
+
+
+def _connector_class(config: Any, where: tuple, cls: Any, what: str) -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    if not isinstance(cls, type):
+        raise config.error(where, f"{what} is not a class")
+    if not issubclass(cls, KVConnectorBase_V1):
+        raise config.error(where, f"{what} is not a vLLM KV connector (not a subclass of "
+                                  "KVConnectorBase_V1)")
+    return cls
 
 
 def _resolve(config: Any, leaf: Leaf, path: tuple, reg: dict[str, Any],
              supports_kw: Any) -> type:
     if leaf.module_path:
-        try:
-            module = importlib.import_module(leaf.module_path)
-        except Exception as exc:
-            raise config.error((*path, "module_path"), f"cannot import module "
-                               f"{leaf.module_path!r} ({_one_line(exc)})") from None
+        module = _import(config, (*path, "module_path"), leaf.module_path)
         cls = getattr(module, leaf.connector, None)
         if cls is None:
             names = [n for n in dir(module) if n.endswith("Connector") or n[:1].isupper()]
-            raise config.error((*path, "connector"), f"module {leaf.module_path!r} has no "
-                               f"class {leaf.connector!r}{did_you_mean(leaf.connector, names)}")
-        if not isinstance(cls, type):
-            raise config.error((*path, "connector"), f"{leaf.module_path}.{leaf.connector} "
-                               "is not a class")
+            raise config.error((*path, "connector"), f"module {shown(leaf.module_path)} has no "
+                               f"class {shown(leaf.connector)}"
+                               f"{did_you_mean(leaf.connector, names)}")
+        cls = _connector_class(config, (*path, "connector"), cls,
+                               f"{leaf.module_path}.{leaf.connector}")
         if not supports_kw(cls, "kv_cache_config"):
             raise config.error((*path, "connector"), f"{leaf.connector!r} uses the old "
                                "2-argument constructor: vLLM needs (vllm_config, role, "
@@ -151,14 +199,15 @@ def _resolve(config: Any, leaf: Leaf, path: tuple, reg: dict[str, Any],
         return cls
     if leaf.connector not in reg:
         known = sorted(reg)
-        raise config.error((*path, "connector"), f"unknown connector {leaf.connector!r}"
+        raise config.error((*path, "connector"), f"unknown connector {shown(leaf.connector)}"
                            f"{did_you_mean(leaf.connector, known)}; known: {', '.join(known)} "
                            "(or set module_path)")
     try:
-        return reg[leaf.connector]()
+        cls = reg[leaf.connector]()
     except Exception as exc:
         raise config.error((*path, "connector"), f"connector {leaf.connector!r} cannot be "
                            f"imported ({_one_line(exc)})") from None
+    return _connector_class(config, (*path, "connector"), cls, f"connector {leaf.connector!r}")
 
 
 def _check_predicates(config: Any, route: Route) -> None:
@@ -169,17 +218,13 @@ def _check_predicates(config: Any, route: Route) -> None:
             continue
         where = (*base, "rules", index, "predicate")
         module_name, _, attr = rule.predicate.partition(":")
-        try:
-            obj: Any = importlib.import_module(module_name)
-        except Exception as exc:
-            raise config.error(where, f"cannot import module {module_name!r} "
-                                      f"({_one_line(exc)})") from None
+        obj: Any = _import(config, where, module_name)
         for part in attr.split("."):
             if not hasattr(obj, part):
-                raise config.error(where, f"{module_name!r} has no attribute {attr!r}")
+                raise config.error(where, f"{shown(module_name)} has no attribute {shown(attr)}")
             obj = getattr(obj, part)
         if not callable(obj):
-            raise config.error(where, f"{rule.predicate!r} is not callable")
+            raise config.error(where, f"{shown(rule.predicate)} is not callable")
 
 
 def _layout(cls: type, ktc: Any) -> tuple[str | None, str]:

@@ -57,6 +57,9 @@ TREE_KEY = "kvcompose_tree"
 
 NODE_KINDS: tuple[str, ...] = ("leaf", "chain", "fanout", "route")
 
+#: Longest connector class name or module path accepted (Python names are far shorter).
+MAX_NAME_LENGTH = 200
+
 #: The custom error type of a mapping that is no node of any kind (see ``_kind_of``).
 NODE_KIND_ERROR = "kvcompose_node"
 
@@ -108,11 +111,11 @@ class Leaf(_Node):
 
     name: NodeName = None
     connector: str = Field(
-        ..., min_length=1,
+        ..., min_length=1, max_length=MAX_NAME_LENGTH,
         description="A registered vLLM connector name (`ExampleConnector`, `NixlConnector`, "
         "`OffloadingConnector`, ...) or, with `module_path`, a class name in that module.")
     module_path: str | None = Field(
-        None, min_length=1,
+        None, min_length=1, max_length=MAX_NAME_LENGTH,
         description="Python module to import the connector class from "
         "(vLLM's `kv_connector_module_path`).")
     kv_role: KvRoleField = None
