@@ -8,8 +8,9 @@ from pathlib import Path
 def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
     from kvcompose.bench.overhead import OverheadOptions, run_overhead, table
 
-    result = run_overhead(OverheadOptions(requests=[16], children=[2], steps=2, repeats=1,
-                                          model_dir=str(tiny_model)))
+    result = run_overhead(
+        OverheadOptions(requests=[16], children=[2], steps=2, repeats=1, model_dir=str(tiny_model))
+    )
     entry = result["by_requests"]["16"]
     assert set(entry["configs"]) == {"none", "direct", "multiconnector-2", "kvcompose-2"}
     calls = {name: row["connector_calls"] for name, row in entry["configs"].items()}
@@ -18,10 +19,16 @@ def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
     assert calls["direct"] == calls["multiconnector-2"] == calls["kvcompose-2"] > 0
     for name in ("direct", "multiconnector-2", "kvcompose-2"):
         by_method = entry["configs"][name]["in_connector_us_per_request_by_method"]
-        assert {"get_num_new_matched_tokens", "update_state_after_alloc",
-                "request_finished", "build_connector_meta"} <= set(by_method)
-    assert set(entry["ratios"]["2_children"]) >= {"kvcompose_over_multiconnector",
-                                                  "kvcompose_over_direct"}
+        assert {
+            "get_num_new_matched_tokens",
+            "update_state_after_alloc",
+            "request_finished",
+            "build_connector_meta",
+        } <= set(by_method)
+    assert set(entry["ratios"]["2_children"]) >= {
+        "kvcompose_over_multiconnector",
+        "kvcompose_over_direct",
+    }
     assert table(result).row_count == 5
 
 
