@@ -226,7 +226,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_overhead(args: argparse.Namespace, con: Any) -> int:
-    import json
     from pathlib import Path
 
     from kvcompose.bench.flags import build
@@ -237,7 +236,7 @@ def _run_overhead(args: argparse.Namespace, con: Any) -> int:
     result = run_overhead(build(OverheadOptions, args), progress=con if bench.progress else None)
     out_dir = Path(bench.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "overhead.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / "overhead.json").write_text(result.model_dump_json(indent=1) + "\n")
     console().print(table(result))
     console().print(f"results: {out_dir / 'overhead.json'}")
     return 0
