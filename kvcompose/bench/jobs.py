@@ -106,10 +106,21 @@ class Session:
     model_dir: Path
     out: Path
     store_root: Path
-    progress: Progress
+    progress: Progress  # bars (disabled when not on a terminal)
 
     def log(self, message: str) -> None:
+        """A message that is always shown (failures)."""
         self.progress.console.print(message)
+
+    def note(self, message: str) -> None:
+        """A progress line: one per prepared store set and per run, unless progress is off."""
+        if self.opts.progress:
+            self.progress.console.print(message, markup=False, highlight=False)
+
+    def where(self, seed: int, round_no: int) -> str:
+        """``round 2/3`` (and the seed when there are several)."""
+        text = f"round {round_no + 1}/{self.opts.repeats}"
+        return f"seed {seed} {text}" if len(self.opts.seeds) > 1 else text
 
 
 def prepare_stores(
@@ -158,6 +169,11 @@ def prepare_stores(
         )
         prepared[(name, variant)] = path
         run.progress.advance(task)
+        run.note(
+            f"store {name} prepared for seed {seed}: {len(wl.prefill[name])} prompts, "
+            f"{time.perf_counter() - t:.0f} s"
+        )
+    run.progress.remove_task(task)
     outcome.ok = True
     return prepared
 
@@ -182,7 +198,7 @@ def run_contender(
         else:
             os.makedirs(path, exist_ok=True)
     prog = run.progress
-    describe = f"seed {seed}: {c.label}"
+    describe = f"{c.label} ({run.where(seed, round_no)})"
     task = prog.add_task(describe, total=len(wl.requests))
 
     def on_progress(msg: dict[str, Any]) -> None:
@@ -191,7 +207,7 @@ def run_contender(
         else:
             prog.update(task, description=f"{describe} ({msg.get('phase')})")
 
-    run_dir = run.out / "runs" / c.label / f"seed{seed}"
+    run_dir = run.out / "runs" / c.label / f"seed{seed}" / f"round{round_no + 1}"
     log = run_dir / "engine.log"
     t0 = time.perf_counter()
     try:
@@ -227,4 +243,20 @@ def run_contender(
     res.total_s = round_s(time.perf_counter() - t0)
     res.log = str(log)
     (run_dir / "result.json").write_text(res.model_dump_json(indent=1))
+    prog.remove_task(task)
+    run.note(_run_line(res, f"{c.label}, {run.where(seed, round_no)}"))
     return res
+
+
+def _run_line(res: RunResult, what: str) -> str:
+    if not res.ok:
+        return f"{what}: failed after {res.total_s:.0f} s ({res.error})"
+    from kvcompose.bench.metrics import percentile, request_latencies
+
+    ttft = [request_latencies(r)[0] for r in res.requests]
+    done = sum(1 for r in res.requests if r.finish_s is not None)
+    p50 = percentile(ttft, 50)
+    return (
+        f"{what}: {done}/{len(res.requests)} requests, TTFT p50 "
+        f"{'-' if p50 is None else f'{p50 * 1000:,.0f} ms'}, {res.total_s:.0f} s"
+    )

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import BaseModel
 
 from kvcompose.bench.results import (
     Agreement,
@@ -177,6 +180,40 @@ def merge_hits(hits: Sequence[HitSummary]) -> HitSummary:
             for k, v in n.other_counters.items():
                 node.other_counters[k] = node.other_counters.get(k, 0) + v
     return merged
+
+
+def per_replay_hits(runs: Sequence[RunResult]) -> HitSummary:
+    """Hits of one replay of each seed's workload: the mean over a seed's rounds (each round
+    replays the same workload), summed over seeds."""
+    by_seed: dict[int, list[HitSummary]] = {}
+    for run in runs:
+        by_seed.setdefault(run.seed, []).append(hit_summary(run))
+    return merge_hits([_divided(merge_hits(hits), len(hits)) for hits in by_seed.values()])
+
+
+def _divided(h: HitSummary, n: int) -> HitSummary:
+    """Every count of ``h`` divided by ``n`` (integers rounded)."""
+    if n == 1:
+        return h
+
+    def div(model: Any) -> Any:
+        for name in type(model).model_fields:
+            value = getattr(model, name)
+            if isinstance(value, bool):
+                continue
+            if isinstance(value, int):
+                setattr(model, name, round(value / n))
+            elif isinstance(value, float):
+                setattr(model, name, value / n)
+            elif isinstance(value, dict):
+                for k, v in value.items():
+                    if isinstance(v, int | float) and not isinstance(v, bool):
+                        value[k] = v / n if isinstance(v, float) else round(v / n)
+                    elif isinstance(v, BaseModel):
+                        div(v)
+        return model
+
+    return div(h.model_copy(deep=True))
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:

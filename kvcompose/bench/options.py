@@ -71,6 +71,14 @@ class BenchOptions:
         group="engine",
     )
     out_dir: str = opt("kvcompose-bench", "output directory", flags=("--out", "-o"))
+    #: Each contender runs once per round; the order rotates from round to round (A B C, then
+    #: B C A...), so that a slow spell of a shared machine does not land on one contender.
+    repeats: int = opt(
+        3,
+        "rounds per seed: every contender runs once per round, the order rotated; ratios to "
+        "recompute are taken within a round (default 3)",
+        group="compare",
+    )
     chat: ChatParams = field(default_factory=ChatParams)
     docqa: DocQAParams = field(default_factory=DocQAParams)
     noreuse: NoReuseParams = field(default_factory=NoReuseParams)

@@ -6,7 +6,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from kvcompose.bench.results import BenchResults
+from kvcompose.bench.results import BenchResults, ContenderResult
 
 RESULTS_JSON = "results.json"
 RESULTS_CSV = "results.csv"
@@ -38,6 +38,11 @@ def contender_rows(results: BenchResults) -> list[dict[str, Any]]:
                 "output_tokens_per_s": thr.get("output_tokens_per_s"),
                 "total_tokens_per_s": thr.get("total_tokens_per_s"),
                 "ttft_p50_speedup": c.ttft_p50_speedup,
+                "speedup_low": c.speedup_low,
+                "speedup_high": c.speedup_high,
+                "within_noise_of": None
+                if c.within_noise_of is None
+                else " ".join(c.within_noise_of),
                 "tokens_loaded": hits.tokens_loaded if hits else None,
                 "cached_tokens": hits.cached_tokens if hits else None,
                 "bytes_written": hits.bytes_written if hits else None,
@@ -102,16 +107,34 @@ def _num(x: float | None, fmt: str = "{:,.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _speedup(c: ContenderResult) -> str:
+    """``6.3x (5.9-6.6)``: the median of the within-round ratios, and their range."""
+    if c.ttft_p50_speedup is None:
+        return "-"
+    if len(c.speedup_rounds) < 2:
+        return f"{c.ttft_p50_speedup:.1f}x"
+    return f"{c.ttft_p50_speedup:.1f}x ({c.speedup_low:.1f}-{c.speedup_high:.1f})"
+
+
 def tables(results: BenchResults) -> list[Any]:
     """Rich tables: the comparison, and per-node counters."""
     from rich.table import Table
 
-    wl = results.meta.workload
+    meta, wl = results.meta, results.meta.workload
+    rounds = meta.repeats * max(len(meta.seeds), 1)
+    noise = any(c.within_noise_of is not None for c in results.contenders)
     main = Table(
-        title=f"kvcompose bench — {wl.get('name')} workload, "
-        f"{wl.get('requests')} requests (times in ms; speedup: TTFT p50 vs "
-        "recompute)",
+        title=f"kvcompose bench — {wl.get('name')} workload, {wl.get('requests')} requests, "
+        f"{meta.repeats} round{'s' if meta.repeats != 1 else ''} (times in ms over all "
+        "rounds; vs recompute: TTFT p50 ratio within each round, median (range))",
         title_justify="left",
+        caption=(
+            f"within noise of: contenders whose range of ratios over the {rounds} rounds "
+            "overlaps this one's; they are not distinguishable in this run"
+            if noise
+            else None
+        ),
+        caption_justify="left",
     )
     main.add_column("contender", no_wrap=True)
     for col in (
@@ -125,11 +148,13 @@ def tables(results: BenchResults) -> list[Any]:
         "hit tok",
         "MB saved",
         "agree %",
-        "speedup",
+        "vs recompute",
     ):
-        main.add_column(col, justify="right", min_width=7 if col == "speedup" else None)
+        main.add_column(col, justify="right")
+    if noise:
+        main.add_column("within noise of", justify="left")
     stores_table = Table(
-        title="per node (replay only; counters from the stores and from "
+        title="per node (one replay: mean over rounds; counters from the stores and from "
         "kvcompose's per-node stats)",
         title_justify="left",
     )
@@ -149,7 +174,7 @@ def tables(results: BenchResults) -> list[Any]:
         )
     for c in results.contenders:
         if not c.ran or c.latency is None or c.hits is None:
-            main.add_row(f"{c.label} [red](failed)[/red]", *["-"] * 11)
+            main.add_row(f"{c.label} [red](failed)[/red]", *["-"] * (11 + noise))
             continue
         lat, thr, hits = c.latency, c.throughput, c.hits
         agree = c.agreement.percent if c.agreement else None
@@ -158,7 +183,6 @@ def tables(results: BenchResults) -> list[Any]:
             if agree is None
             else (f"{agree:.0f}" if agree == 100 else f"[red]{agree:.1f}[/red]")
         )
-        speed = c.ttft_p50_speedup
         label = c.label if c.status == "ok" else f"{c.label} ({c.status})"
         main.add_row(
             label,
@@ -172,7 +196,8 @@ def tables(results: BenchResults) -> list[Any]:
             f"{hits.tokens_loaded:,}",
             _num(hits.bytes_written / 1e6, "{:,.1f}"),
             agree_txt,
-            "-" if speed is None else f"{speed:.1f}x",
+            _speedup(c),
+            *([", ".join(c.within_noise_of or []) or "none"] if noise else []),
         )
         node_hits: dict[str, tuple[int, int, int]] = {}
         for n in hits.nodes.values():

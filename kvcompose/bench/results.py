@@ -162,6 +162,8 @@ class NodeHits(Record):
 
 
 class HitSummary(Record):
+    """Reuse over one replay of the workload (per seed; summed over seeds)."""
+
     stores: dict[str, StoreHits] = Field(default_factory=dict)
     nodes: dict[str, NodeHits] = Field(default_factory=dict)
     cached_tokens: int = 0
@@ -222,7 +224,16 @@ class ContenderResult(Record):
     timings: Timings | None = None
     agreement: Agreement | None = None
     live_requests_after: list[dict[str, Any]] | None = None
+    #: Recompute's TTFT p50 over this contender's, taken within each round (same seed and
+    #: round); ``ttft_p50_speedup`` is their median, ``speedup_low``/``speedup_high`` their
+    #: range.
+    speedup_rounds: list[float] = Field(default_factory=list)
     ttft_p50_speedup: float | None = None
+    speedup_low: float | None = None
+    speedup_high: float | None = None
+    #: Contenders whose range of ratios overlaps this one's: not distinguishable from it in
+    #: this run (None with fewer than two rounds).
+    within_noise_of: list[str] | None = None
     #: Per request; written to ``requests.csv``, left out of ``results.json``.
     requests: list[RequestRow] = Field(default_factory=list, exclude=True)
 
@@ -245,6 +256,7 @@ class Meta(Record):
     workload_description: str = ""
     time_scale: float = 1.0
     warmup_requests: int = 0
+    repeats: int = 1
     out_dir: str = ""
     duration_s: float | None = None
 

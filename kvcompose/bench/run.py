@@ -8,12 +8,16 @@ Steps:
    cannot be resolved is reported as failed and the others still run;
 3. prepare each store the workload fills (``fast``, ``disk``...) once per seed, in an engine
    whose only connector is that store's leaf;
-4. for each seed and contender: copy the prepared stores into the contender's fresh
-   directories, start an engine in its own process (``kvcompose.engine.process``), warm it up,
-   replay the workload (``kvcompose.bench.replay``), read back per-request timings and
-   per-node/per-store counter deltas;
-5. summarise (``kvcompose.bench.summary``), write ``results.json``, ``results.csv``,
-   ``requests.csv`` and the plots (``kvcompose.bench.report``).
+4. for each seed, in rounds (``repeats``; the contenders' order rotates from round to round,
+   so that a slow spell of a shared machine does not land on one contender), for each
+   contender: copy the prepared stores into the contender's fresh directories, start an
+   engine in its own process (``kvcompose.engine.process``), warm it up, replay the workload
+   (``kvcompose.bench.replay``), read back per-request timings and per-node/per-store counter
+   deltas;
+5. summarise (``kvcompose.bench.summary``: TTFT ratios to recompute taken within each round,
+   their median and range, which contenders are within noise of each other), write
+   ``results.json``, ``results.csv``, ``requests.csv`` and the plots
+   (``kvcompose.bench.report``).
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -60,6 +65,8 @@ from kvcompose.bench.workloads import (
     token_block,
 )
 from kvcompose.engine.model import model_facts, resolve_model
+
+T = TypeVar("T")
 
 
 class BenchError(RuntimeError):
@@ -187,11 +194,13 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
             workload_description=first.description,
             time_scale=opts.time_scale,
             warmup_requests=opts.warmup_requests,
+            repeats=opts.repeats,
             out_dir=str(out),
         )
     )
 
     runnable = [c for c in contenders if c.resolved is not None]
+    con = console if console is not None else Console()
     previous = _exit_on_sigterm()
     try:
         with Progress(
@@ -200,24 +209,33 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
-            console=console,
-            disable=not opts.progress,
+            console=con,
+            disable=not (opts.progress and con.is_terminal),  # bars only on a terminal
         ) as prog:
-            run = Session(opts, model_dir, out, store_root, prog)
-            overall = prog.add_task("kvcompose bench", total=len(opts.seeds) * (1 + len(runnable)))
+            session = Session(opts, model_dir, out, store_root, prog)
+            rounds = opts.repeats
+            total = len(opts.seeds) * (1 + rounds * len(runnable))
+            overall = prog.add_task("kvcompose bench", total=total)
+            session.note(
+                f"kvcompose bench: {len(runnable)} contenders x {rounds} rounds x "
+                f"{len(opts.seeds)} seeds, {first.name} workload of {len(first.requests)} "
+                f"requests; engine logs under {out / 'runs'}"
+            )
             for seed in opts.seeds:
                 wl = workloads[seed]
-                prepared = prepare_stores(run, runnable, wl, seed, results)
+                prepared = prepare_stores(session, runnable, wl, seed, results)
                 prog.advance(overall)
                 warm = warmup_prompts(wl, opts.warmup_requests, vocab, seed)
-                for c in runnable:
-                    res = run_contender(run, c, wl, warm, seed, 0, prepared)
-                    c.runs.append(res)
-                    prog.advance(overall)
-                    if not res.ok:
-                        run.log(
-                            f"[red]contender {c.label!r} failed:[/red] {res.error} (log: {res.log})"
-                        )
+                for rnd in range(rounds):
+                    for c in round_order(runnable, rnd):
+                        res = run_contender(session, c, wl, warm, seed, rnd, prepared)
+                        c.runs.append(res)
+                        prog.advance(overall)
+                        if not res.ok:
+                            session.log(
+                                f"[red]contender {c.label!r} failed:[/red] {res.error} "
+                                f"(log: {res.log})"
+                            )
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -229,10 +247,16 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
             with contextlib.suppress(OSError):
                 store_root.rmdir()
 
-    results.contenders = summarise(contenders, several_runs=len(opts.seeds) > 1)
+    results.contenders = summarise(contenders, several_runs=len(opts.seeds) * opts.repeats > 1)
     results.meta.duration_s = round(time.perf_counter() - t_start, 1)
     report.write_all(results, out, plots=opts.plots)
     return results
+
+
+def round_order(items: list[T], rnd: int) -> list[T]:
+    """The order of round ``rnd``: rotated by one per round (A B C, B C A, C A B...)."""
+    k = rnd % len(items) if items else 0
+    return items[k:] + items[:k]
 
 
 def _contenders(opts: BenchOptions, out: Path) -> list[Contender]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from kvcompose.bench import metrics
@@ -49,14 +50,7 @@ def _keyed(pooled: list[tuple[RunResult, RequestRecord]], several: bool) -> list
 
 
 def summarise(contenders: list[Contender], *, several_runs: bool) -> list[ContenderResult]:
-    reference = next(
-        (
-            c
-            for c in contenders
-            if c.definition.kind == "none" and c.runs and all(r.ok for r in c.runs)
-        ),
-        None,
-    )
+    reference = next((c for c in contenders if c.definition.kind == "none" and c.ok_runs()), None)
     ref_records = _keyed(reference.pooled(), several_runs) if reference else []
     out = []
     for c in contenders:
@@ -80,13 +74,13 @@ def summarise(contenders: list[Contender], *, several_runs: bool) -> list[Conten
             continue
         entry.status = "ok" if not failed else "partial"
         if failed:
-            entry.error = "; ".join(f"seed {r.seed}: {r.error}" for r in failed)
+            entry.error = "; ".join(f"seed {r.seed} round {r.round + 1}: {r.error}" for r in failed)
         pooled = c.pooled()
         records = [rec for _, rec in pooled]
         runs = c.ok_runs()
         entry.latency = metrics.latency_summary(records)
         entry.throughput = metrics.mean_throughput([metrics.throughput(r.requests) for r in runs])
-        entry.hits = metrics.merge_hits([metrics.hit_summary(r) for r in runs])
+        entry.hits = metrics.per_replay_hits(runs)
         entry.timings = Timings(
             **{k: metrics.mean(getattr(r, k) for r in runs) for k in Timings.model_fields}
         )
@@ -99,18 +93,44 @@ def summarise(contenders: list[Contender], *, several_runs: bool) -> list[Conten
             entry.live_requests_after = leftovers
         entry.requests = [_row(run, rec) for run, rec in pooled]
         out.append(entry)
-    ref_p50 = next(
-        (
-            e.latency.ttft_p50_s
-            for e in out
-            if reference and e.label == reference.label and e.latency
-        ),
-        None,
-    )
-    for e in out:
-        if e.latency and ref_p50 and e.latency.ttft_p50_s:
-            e.ttft_p50_speedup = round(ref_p50 / e.latency.ttft_p50_s, 2)
+    if reference is not None:
+        _speedups(contenders, reference, out)
     return out
+
+
+def _round_p50(run: RunResult) -> float | None:
+    return metrics.percentile((metrics.request_latencies(r)[0] for r in run.requests), 50)
+
+
+def _speedups(
+    contenders: list[Contender], reference: Contender, out: list[ContenderResult]
+) -> None:
+    """Per round (seed and round), the reference's TTFT p50 over each contender's; their
+    median and range; and which contenders' ranges overlap (not distinguishable)."""
+    ref = {(r.seed, r.round): _round_p50(r) for r in reference.ok_runs()}
+    for c, e in zip(contenders, out, strict=True):
+        ratios = []
+        for run in c.ok_runs():
+            mine, theirs = _round_p50(run), ref.get((run.seed, run.round))
+            if mine and theirs:
+                ratios.append(round(theirs / mine, 3))
+        if ratios:
+            e.speedup_rounds = ratios
+            e.ttft_p50_speedup = round(statistics.median(ratios), 2)
+            e.speedup_low, e.speedup_high = min(ratios), max(ratios)
+    ranged = [e for e in out if len(e.speedup_rounds) >= 2]
+    for e in ranged:
+        e.within_noise_of = [
+            o.label
+            for o in ranged
+            if o is not e
+            and o.speedup_low is not None
+            and o.speedup_high is not None
+            and e.speedup_low is not None
+            and e.speedup_high is not None
+            and o.speedup_low <= e.speedup_high
+            and e.speedup_low <= o.speedup_high
+        ]
 
 
 def _row(run: RunResult, rec: RequestRecord) -> RequestRow:

@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     compare.add_argument(
         "--quick",
         action="store_true",
-        help="a small chat workload on the tiny model (about a minute): "
+        help="a small chat workload on the tiny model, one round (about a minute): "
         "checks the setup, measures nothing meaningful",
     )
     compare.add_argument(
@@ -177,13 +177,15 @@ def options_from_args(args: argparse.Namespace) -> Any:
         mooncake=build(MooncakeParams, args),
     )
     opts.seeds = opts.seeds or [0]
+    if args.quick:
+        opts.repeats = 1
     return opts
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcompose.cli.common import CLIError, console
+    from kvcompose.cli.common import CLIError
 
-    con = console(stderr=True)
+    con = _console(stderr=True)
     if args.list_contenders:
         from kvcompose.bench.contenders import BUILTIN_CONTENDERS
 
@@ -199,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         results = run_bench(options_from_args(args), console=con)
     except BenchError as exc:
         raise CLIError(f"kvcompose bench: {exc}") from None
-    out = console()
+    out = _console()
     for table in tables(results):
         out.print(table)
     for c in results.contenders:
@@ -230,16 +232,23 @@ def _run_overhead(args: argparse.Namespace, con: Any) -> int:
 
     from kvcompose.bench.flags import build
     from kvcompose.bench.overhead import OverheadOptions, run_overhead, table
-    from kvcompose.cli.common import console
 
     bench = options_from_args(args)
     result = run_overhead(build(OverheadOptions, args), progress=con if bench.progress else None)
     out_dir = Path(bench.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "overhead.json").write_text(result.model_dump_json(indent=1) + "\n")
-    console().print(table(result))
-    console().print(f"results: {out_dir / 'overhead.json'}")
+    _console().print(table(result))
+    _console().print(f"results: {out_dir / 'overhead.json'}")
     return 0
+
+
+def _console(stderr: bool = False) -> Any:
+    """A rich console; not on a terminal, one wide enough that tables are never cut."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else 400, highlight=False)
 
 
 def main(argv: list[str] | None = None) -> int:

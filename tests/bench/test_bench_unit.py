@@ -424,3 +424,93 @@ def test_bench_is_a_kvcompose_subcommand() -> None:
     for flag in ("--list-contenders", "--list-chains"):
         args = build_parser().parse_args(["bench", flag])
         assert args.list_contenders and callable(args.func)
+
+
+# --------------------------------------------------------------------------- rounds
+
+
+def _run(label: str, seed: int, rnd: int, ttfts: list[float]):
+    from kvcompose.bench.results import RequestRecord, RunResult
+
+    reqs = [
+        RequestRecord(
+            id=f"r{i}",
+            arrival_s=float(i),
+            added_s=float(i),
+            first_token_s=i + t,
+            finish_s=i + t + 0.1,
+            prompt_tokens=8,
+            output_token_ids=[1, 2],
+        )
+        for i, t in enumerate(ttfts)
+    ]
+    return RunResult(ok=True, label=label, seed=seed, round=rnd, requests=reqs)
+
+
+def test_round_order_rotates() -> None:
+    from kvcompose.bench.run import round_order
+
+    assert [round_order(list("ABC"), r) for r in range(4)] == [
+        list("ABC"),
+        list("BCA"),
+        list("CAB"),
+        list("ABC"),
+    ]
+    assert round_order([], 1) == []
+
+
+def test_ratios_are_taken_within_rounds_and_overlaps_reported() -> None:
+    from kvcompose.bench.summary import Contender, summarise
+
+    # TTFT p50 per round: recompute 1.0 / 1.2 / 0.9 s (a slow spell in round 2).
+    p50 = {
+        "recompute": [1.0, 1.2, 0.9],
+        "disk": [0.2, 0.2, 0.15],
+        "longest": [0.19, 0.25, 0.15],
+        "first": [0.5, 0.6, 0.45],
+    }
+    contenders = []
+    for label, per_round in p50.items():
+        c = Contender(
+            definition=cmod.parse_contender(
+                "none" if label == "recompute" else f"{label}=builtin:disk"
+            )
+        )
+        # three requests per run: the p50 is the middle one
+        c.runs = [_run(label, 0, r, [t / 2, t, t * 2]) for r, t in enumerate(per_round)]
+        contenders.append(c)
+    out = {e.label: e for e in summarise(contenders, several_runs=True)}
+    assert out["disk"].speedup_rounds == [5.0, 6.0, 6.0]
+    assert out["disk"].ttft_p50_speedup == 6.0
+    assert (out["disk"].speedup_low, out["disk"].speedup_high) == (5.0, 6.0)
+    assert out["longest"].speedup_rounds == [5.263, 4.8, 6.0]
+    assert out["first"].speedup_rounds == [2.0, 2.0, 2.0]
+    assert out["recompute"].ttft_p50_speedup == 1.0
+    # disk and longest overlap (the same work): within noise of each other; first is not.
+    assert out["disk"].within_noise_of == ["longest"]
+    assert out["longest"].within_noise_of == ["disk"]
+    assert out["first"].within_noise_of == []
+    assert out["recompute"].within_noise_of == []
+    # request ids are per seed and round, the agreement compares same-round runs
+    assert out["disk"].agreement.compared == 9 and out["disk"].agreement.percent == 100.0
+    # one round: no spread, no claim about noise
+    single = summarise(
+        [Contender(definition=c.definition, runs=c.runs[:1]) for c in contenders],
+        several_runs=False,
+    )
+    assert all(e.within_noise_of is None for e in single)
+    assert single[1].ttft_p50_speedup == 5.0
+
+
+def test_hits_are_per_replay() -> None:
+    from kvcompose.bench import metrics
+    from kvcompose.bench.results import ConnectorSnapshot
+
+    runs = []
+    for seed, rnd in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        run = _run("x", seed, rnd, [0.1])
+        run.connector = ConnectorSnapshot(stores={"disk": {"tokens_loaded": 100 + seed * 10}})
+        runs.append(run)
+    hits = metrics.per_replay_hits(runs)
+    assert hits.stores["disk"].tokens_loaded == 210  # 100 (seed 0) + 110 (seed 1)
+    assert hits.tokens_loaded == 210
