@@ -345,11 +345,12 @@ def test_cli_options() -> None:
     assert opts.model == "builtin" and opts.contenders == [] and opts.workload == "chat"
     assert not opts.engine.enable_prefix_caching and opts.seeds == [0]
     assert (opts.chat.users, opts.engine.max_model_len, opts.contender_timeout_s) == (
-        12,
+        8,
         4096,
         1800.0,
     )
     assert opts.prefill and opts.plots and opts.progress and not opts.keep_stores
+    assert opts.repeats == 3
     quick = bench_cmd.options_from_args(
         parser.parse_args(
             [
@@ -367,6 +368,7 @@ def test_cli_options() -> None:
     assert quick.model == "tiny" and quick.seeds == [1, 2] and quick.chat.users == 3
     assert quick.contenders == ["none", "builtin:disk"]
     assert quick.engine.enable_prefix_caching
+    assert quick.repeats == 1
     flags = bench_cmd.options_from_args(
         parser.parse_args(
             [
