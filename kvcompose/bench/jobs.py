@@ -51,10 +51,13 @@ def _engine(
     run_dir: Path,
     name: str,
     on_progress: Any = None,
+    graceful: bool = True,
 ) -> Iterator[EngineProcess]:
+    """An engine process for one job; ``graceful=False`` ends it without the engine's own
+    shutdown (a measured run: its stores are thrown away, its counters already read)."""
     timeout = opts.contender_timeout_s
     run_dir.mkdir(parents=True, exist_ok=True)
-    with EngineProcess(
+    proc = EngineProcess(
         model_dir,
         ktc,
         name=name,
@@ -64,8 +67,11 @@ def _engine(
         on_progress=on_progress,
         start_timeout=timeout,
         call_timeout=timeout,
-    ) as proc:
+    )
+    try:
         yield proc
+    finally:
+        proc.close(graceful=graceful)
 
 
 def _failure(exc: BaseException, log: Path) -> tuple[str, str]:
@@ -220,6 +226,7 @@ def run_contender(
             run_dir,
             c.label,
             on_progress,
+            graceful=False,
         ) as proc:
             started = time.perf_counter() - t0
             res: RunResult = proc.call(

@@ -38,6 +38,7 @@ def contender_rows(results: BenchResults) -> list[dict[str, Any]]:
                 "output_tokens_per_s": thr.get("output_tokens_per_s"),
                 "total_tokens_per_s": thr.get("total_tokens_per_s"),
                 "ttft_p50_speedup": c.ttft_p50_speedup,
+                "ttft_p50_rounds_s": " ".join(str(x) for x in c.ttft_p50_rounds),
                 "speedup_low": c.speedup_low,
                 "speedup_high": c.speedup_high,
                 "within_noise_of": None
@@ -66,6 +67,21 @@ def request_rows(results: BenchResults) -> list[dict[str, Any]]:
     return [
         {"contender": c.label, **r.model_dump()} for c in results.contenders for r in c.requests
     ]
+
+
+def read_results(out: Path) -> BenchResults:
+    """``results.json`` with the per-request rows of ``requests.csv`` put back."""
+    from kvcompose.bench.results import RequestRow
+
+    results = BenchResults.model_validate_json((out / RESULTS_JSON).read_text())
+    by_label = {c.label: c for c in results.contenders}
+    with open(out / REQUESTS_CSV, newline="", encoding="utf-8") as fh:
+        for row in csv.DictReader(fh):
+            values = {k: (None if v == "" else v) for k, v in row.items()}
+            by_label[values.pop("contender") or ""].requests.append(
+                RequestRow.model_validate(values)
+            )
+    return results
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -129,14 +145,16 @@ def tables(results: BenchResults) -> list[Any]:
         "rounds; vs recompute: TTFT p50 ratio within each round, median (range))",
         title_justify="left",
         caption=(
-            f"within noise of: contenders whose range of ratios over the {rounds} rounds "
-            "overlaps this one's; they are not distinguishable in this run"
+            f"within noise of: contenders whose TTFT p50s over the {rounds} rounds span a "
+            "range that overlaps this one's; this run cannot tell them apart"
             if noise
             else None
         ),
         caption_justify="left",
     )
     main.add_column("contender", no_wrap=True)
+    if noise:
+        main.add_column("TTFT p50 by round", justify="right", no_wrap=True)
     for col in (
         "TTFT p50",
         "p90",
@@ -174,7 +192,7 @@ def tables(results: BenchResults) -> list[Any]:
         )
     for c in results.contenders:
         if not c.ran or c.latency is None or c.hits is None:
-            main.add_row(f"{c.label} [red](failed)[/red]", *["-"] * (11 + noise))
+            main.add_row(f"{c.label} [red](failed)[/red]", *["-"] * (11 + 2 * noise))
             continue
         lat, thr, hits = c.latency, c.throughput, c.hits
         agree = c.agreement.percent if c.agreement else None
@@ -186,6 +204,7 @@ def tables(results: BenchResults) -> list[Any]:
         label = c.label if c.status == "ok" else f"{c.label} ({c.status})"
         main.add_row(
             label,
+            *([" ".join(_ms(x) for x in c.ttft_p50_rounds)] if noise else []),
             _ms(lat.ttft_p50_s),
             _ms(lat.ttft_p90_s),
             _ms(lat.ttft_p99_s),

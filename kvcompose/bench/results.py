@@ -224,15 +224,16 @@ class ContenderResult(Record):
     timings: Timings | None = None
     agreement: Agreement | None = None
     live_requests_after: list[dict[str, Any]] | None = None
-    #: Recompute's TTFT p50 over this contender's, taken within each round (same seed and
-    #: round); ``ttft_p50_speedup`` is their median, ``speedup_low``/``speedup_high`` their
-    #: range.
+    #: TTFT p50 of each round (seed and round, in run order).
+    ttft_p50_rounds: list[float] = Field(default_factory=list)
+    #: Recompute's TTFT p50 over this contender's, taken within each round; their median
+    #: (``ttft_p50_speedup``) and range.
     speedup_rounds: list[float] = Field(default_factory=list)
     ttft_p50_speedup: float | None = None
     speedup_low: float | None = None
     speedup_high: float | None = None
-    #: Contenders whose range of ratios overlaps this one's: not distinguishable from it in
-    #: this run (None with fewer than two rounds).
+    #: Contenders whose TTFT p50s over the rounds span a range overlapping this one's: not
+    #: distinguishable from it in this run (None with fewer than two rounds).
     within_noise_of: list[str] | None = None
     #: Per request; written to ``requests.csv``, left out of ``results.json``.
     requests: list[RequestRow] = Field(default_factory=list, exclude=True)

@@ -135,6 +135,8 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
     """Run the comparison; write everything under ``opts.out_dir``; return the results."""
     t_start = time.perf_counter()
     started = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    if opts.repeats < 1:
+        raise BenchError(f"--repeats must be at least 1, got {opts.repeats}")
     out = Path(opts.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -27,7 +27,7 @@ class Contender:
         return [r for r in self.runs if r.ok]
 
     def pooled(self) -> list[tuple[RunResult, RequestRecord]]:
-        """Every request of every successful run (ids are unique per seed and round)."""
+        """Every request of every successful run, with its run."""
         return [(run, r) for run in self.ok_runs() for r in run.requests]
 
     def policy(self) -> str | None:
@@ -93,44 +93,49 @@ def summarise(contenders: list[Contender], *, several_runs: bool) -> list[Conten
             entry.live_requests_after = leftovers
         entry.requests = [_row(run, rec) for run, rec in pooled]
         out.append(entry)
-    if reference is not None:
-        _speedups(contenders, reference, out)
+    compare_rounds(out, reference.label if reference else None)
     return out
 
 
-def _round_p50(run: RunResult) -> float | None:
-    return metrics.percentile((metrics.request_latencies(r)[0] for r in run.requests), 50)
-
-
-def _speedups(
-    contenders: list[Contender], reference: Contender, out: list[ContenderResult]
-) -> None:
-    """Per round (seed and round), the reference's TTFT p50 over each contender's; their
-    median and range; and which contenders' ranges overlap (not distinguishable)."""
-    ref = {(r.seed, r.round): _round_p50(r) for r in reference.ok_runs()}
-    for c, e in zip(contenders, out, strict=True):
-        ratios = []
-        for run in c.ok_runs():
-            mine, theirs = _round_p50(run), ref.get((run.seed, run.round))
-            if mine and theirs:
-                ratios.append(round(theirs / mine, 3))
+def compare_rounds(out: list[ContenderResult], reference: str | None) -> None:
+    """From the requests of every round (seed and round): each contender's TTFT p50 per
+    round; the reference's over the contender's within each round, their median and range;
+    and which contenders are within noise of each other: those whose TTFT p50s over the
+    rounds span overlapping ranges (with fewer than two rounds, no claim is made)."""
+    p50s = {e.label: _round_p50s(e.requests) for e in out}
+    ref = p50s.get(reference or "", {})
+    for e in out:
+        mine = p50s[e.label]
+        e.ttft_p50_rounds = [round(v, 4) for v in mine.values()]
+        ratios = [round(ref[k] / v, 3) for k, v in mine.items() if v and ref.get(k)]
         if ratios:
             e.speedup_rounds = ratios
             e.ttft_p50_speedup = round(statistics.median(ratios), 2)
             e.speedup_low, e.speedup_high = min(ratios), max(ratios)
-    ranged = [e for e in out if len(e.speedup_rounds) >= 2]
-    for e in ranged:
-        e.within_noise_of = [
-            o.label
-            for o in ranged
-            if o is not e
-            and o.speedup_low is not None
-            and o.speedup_high is not None
-            and e.speedup_low is not None
-            and e.speedup_high is not None
-            and o.speedup_low <= e.speedup_high
-            and e.speedup_low <= o.speedup_high
-        ]
+    spans = {
+        e.label: (min(e.ttft_p50_rounds), max(e.ttft_p50_rounds))
+        for e in out
+        if len(e.ttft_p50_rounds) >= 2
+    }
+    for e in out:
+        if e.label in spans:
+            lo, hi = spans[e.label]
+            e.within_noise_of = [
+                label
+                for label, (olo, ohi) in spans.items()
+                if label != e.label and olo <= hi and lo <= ohi
+            ]
+
+
+def _round_p50s(rows: list[RequestRow]) -> dict[tuple[int, int], float]:
+    """TTFT p50 per (seed, round), in run order."""
+    by_round: dict[tuple[int, int], list[float]] = {}
+    for r in rows:
+        if r.ttft_s is not None:
+            by_round.setdefault((r.seed, r.round), []).append(r.ttft_s)
+    return {
+        k: p for k, v in sorted(by_round.items()) if (p := metrics.percentile(v, 50)) is not None
+    }
 
 
 def _row(run: RunResult, rec: RequestRecord) -> RequestRow:

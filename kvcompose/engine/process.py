@@ -126,13 +126,15 @@ class EngineProcess:
         it runs). Arguments and result travel by pickle."""
         return self._call("call", fn, args, kwargs)
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Shut the engine down and end the process (killed after ``timeout``)."""
+    def close(self, timeout: float = 60.0, *, graceful: bool = True) -> None:
+        """Shut the engine down and end the process (killed after ``timeout``).
+        ``graceful=False`` ends the process at once, without the engine's shutdown (seconds
+        saved when nothing of the process is needed any more)."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self._proc.is_alive():
+            if graceful and self._proc.is_alive():
                 self._conn.send(("close",))
                 if self._conn.poll(timeout):
                     with contextlib.suppress(EOFError, OSError):

@@ -311,6 +311,8 @@ def test_report_rows_tables_and_files(tmp_path: Path) -> None:
     with open(tmp_path / "requests.csv", newline="") as fh:
         req = list(csv.DictReader(fh))
     assert [(r["contender"], r["id"], r["ttft_s"]) for r in req] == [("recompute", "a", "1.0")]
+    again = report.read_results(tmp_path)  # results.json + requests.csv
+    assert again.contender("recompute").requests == results.contender("recompute").requests
     with open(tmp_path / "results.csv", newline="") as fh:
         assert [r["contender"] for r in csv.DictReader(fh)] == ["recompute", "broken"]
 
@@ -488,7 +490,9 @@ def test_ratios_are_taken_within_rounds_and_overlaps_reported() -> None:
     assert out["longest"].speedup_rounds == [5.263, 4.8, 6.0]
     assert out["first"].speedup_rounds == [2.0, 2.0, 2.0]
     assert out["recompute"].ttft_p50_speedup == 1.0
-    # disk and longest overlap (the same work): within noise of each other; first is not.
+    assert out["longest"].ttft_p50_rounds == [0.19, 0.25, 0.15]
+    # TTFT p50 ranges: disk 0.15-0.2 and longest 0.15-0.25 overlap (the same work): within
+    # noise of each other; first (0.45-0.6) and recompute (0.9-1.2) are not.
     assert out["disk"].within_noise_of == ["longest"]
     assert out["longest"].within_noise_of == ["disk"]
     assert out["first"].within_noise_of == []
