@@ -10,13 +10,9 @@ from typing import Any
 
 def scheduler_connector(llm: Any) -> Any:
     """The scheduler-side connector of an in-process ``vllm.LLM`` (or ``LLMEngine``)."""
-    engine = getattr(llm, "llm_engine", llm)
-    client = engine.engine_core
-    core = getattr(client, "engine_core", None)
-    if core is None:
-        raise RuntimeError("the engine core runs in another process; set "
-                           "VLLM_ENABLE_V1_MULTIPROCESSING=0 to inspect it from Python")
-    return core.scheduler.connector
+    from kvcompose.engine.probe import scheduler_connector as probe
+
+    return probe(llm)
 
 
 def worker_connector() -> Any:

@@ -70,3 +70,48 @@ def test_engines_run_back_to_back_in_one_process(tiny_model):
     with make_llm(tiny_model, max_model_len=512) as llm:
         second = greedy(llm, prompts, 4)
     assert first == second and len(first[0]) == 4
+
+
+def _report_and_print(llm, n: int) -> str:
+    from kvcompose.engine.process import report_progress
+
+    for i in range(n):
+        report_progress(step=i)
+    print("a line from the engine process", flush=True)
+    return type(llm).__name__
+
+
+def _fail(llm) -> None:
+    raise ValueError("boom from the engine")
+
+
+def _core_class(llm) -> str:
+    from kvcompose.engine.probe import engine_core, scheduler_connector
+
+    assert scheduler_connector(llm) is None  # no connector configured
+    return type(engine_core(llm)).__name__
+
+
+def test_engine_process_reports_progress_logs_and_errors(tiny_model, tmp_path):
+    """The one child-process engine runner: calls run in the child, progress reaches the
+    parent during the call, the child's output goes to its log, errors come back typed."""
+    from kvcompose.engine.process import EngineError, EngineProcess
+
+    seen: list[dict] = []
+    log = tmp_path / "run" / "engine.log"
+    with EngineProcess(
+        tiny_model,
+        name="bed",
+        log_file=log,
+        on_progress=seen.append,
+        llm_kwargs={"max_model_len": 512},
+    ) as proc:
+        assert proc.info["pid"] != __import__("os").getpid()
+        assert proc.call(_report_and_print, 3) == "LLM"
+        assert seen == [{"step": 0}, {"step": 1}, {"step": 2}]
+        with pytest.raises(EngineError) as err:
+            proc.call(_fail)
+        assert err.value.summary == "ValueError: boom from the engine"
+        assert proc.call(_core_class) == "EngineCore"  # the engine still serves
+    text = log.read_text()
+    assert "a line from the engine process" in text and "boom from the engine" in text

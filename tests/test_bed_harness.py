@@ -144,9 +144,56 @@ def test_assert_clean_catches_leftovers(harness_factory):
 
 
 def test_run_until_idle_reports_a_stuck_scheduler(harness_factory):
-    from kvcompose.testing.harness import HarnessStuck
+    from kvcompose.engine.harness import HarnessStuck
 
     h = harness_factory(None, block_size=BLOCK)
     h.add_request(num_tokens=20, max_tokens=50)
     with pytest.raises(HarnessStuck, match="still busy"):
         h.run_until_idle(max_steps=5)
+
+
+def test_probe_walks_a_real_connector_tree(harness_factory):
+    """``walk_connectors`` names kvcompose children by node name, MultiConnector's by index
+    and class, and joins paths below the root with ``/``."""
+    from kvcompose.bench.noop import noop_config
+    from kvcompose.config import load_config
+    from kvcompose.config.render import vllm_args
+    from kvcompose.engine.probe import walk_connectors
+
+    noop = {"connector": "NoopConnector", "module_path": "kvcompose.bench.noop"}
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": [noop_config(), noop_config()]},
+    }
+    document = {
+        "version": 1,
+        "kv_role": "kv_both",
+        "tree": {
+            "chain": {
+                "name": "tiers",
+                "policy": "first",
+                "children": [
+                    {"leaf": {"name": "fast", **noop}},
+                    {
+                        "leaf": {
+                            "name": "pair",
+                            "connector": "MultiConnector",
+                            "extra_config": multi["kv_connector_extra_config"],
+                        }
+                    },
+                ],
+            }
+        },
+    }
+    h = harness_factory(vllm_args(load_config(document, env={})), block_size=BLOCK, num_blocks=64)
+    nodes = list(walk_connectors(h.scheduler.connector))
+    assert [(n.path, n.name, n.parent) for n in nodes] == [
+        ("root", "root", None),
+        ("fast", "fast", "root"),
+        ("pair", "pair", "root"),
+        ("pair/0.NoopConnector", "0.NoopConnector", "pair"),
+        ("pair/1.NoopConnector", "1.NoopConnector", "pair"),
+    ]
+    assert nodes[0].connector is h.scheduler.connector
+    assert type(nodes[3].connector).__name__ == "NoopConnector"

@@ -33,24 +33,31 @@ class NoopMetadata(KVConnectorMetadata):
 
 
 class NoopConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
 
     # scheduler side
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         return
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return NoopMetadata()
 
-    def request_finished(self, request: Request, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return False, None
 
     # worker side
@@ -60,8 +67,9 @@ class NoopConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return
 
     def wait_for_save(self) -> None:
@@ -70,5 +78,8 @@ class NoopConnector(KVConnectorBase_V1):
 
 def noop_config(name: str = "noop") -> dict[str, Any]:
     """A vLLM ``KVTransferConfig`` dict for one no-op connector."""
-    return {"kv_connector": "NoopConnector", "kv_connector_module_path": MODULE_PATH,
-            "kv_role": "kv_both"}
+    return {
+        "kv_connector": "NoopConnector",
+        "kv_connector_module_path": MODULE_PATH,
+        "kv_role": "kv_both",
+    }

@@ -1,7 +1,7 @@
 """Scheduler-side overhead of composing connectors, on vLLM's real scheduler (no model).
 
 For each number of concurrent requests N and children k, the same workload runs through
-``kvcompose.testing.harness.SchedulerHarness`` (vLLM's own ``Scheduler``, ``KVOutputAggregator``
+``kvcompose.engine.harness.SchedulerHarness`` (vLLM's own ``Scheduler``, ``KVOutputAggregator``
 and ``update_from_output``; only the forward pass is absent) with:
 
 - ``none``: no connector (the baseline);
@@ -33,60 +33,125 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcompose.bench.flags import opt
 from kvcompose.bench.noop import MODULE_PATH, noop_config
+from kvcompose.bench.results import (
+    OverheadEntry,
+    OverheadMeta,
+    OverheadRatios,
+    OverheadResult,
+    OverheadRow,
+    package_version,
+)
 
 
 @dataclass
 class OverheadOptions:
-    requests: list[int] = field(default_factory=lambda: [1000, 4000])
-    children: list[int] = field(default_factory=lambda: [2, 4])
-    steps: int = 12  # decode steps (the run has steps + 2 engine steps in all)
-    repeats: int = 5
-    prompt_len: int = 32
-    block_size: int = 16
+    requests: list[int] = opt(  # noqa: RUF009 (opt makes a dataclass field)
+        factory=lambda: [1000, 4000],
+        help="concurrent requests (comma-separated; default 1000,4000)",
+    )
+    children: list[int] = opt(  # noqa: RUF009 (opt makes a dataclass field)
+        factory=lambda: [2, 4], help="no-op children per composite (default 2,4)"
+    )
+    steps: int = opt(
+        12,
+        "measured decode steps per configuration and repeat (the run has "
+        "steps + 2 engine steps in all)",
+    )
+    repeats: int = opt(5, "rounds (each runs every configuration, interleaved; default 5)")
+    prompt_len: int = opt(32, "tokens per prompt")
+    block_size: int = opt(16, "KV cache block size")
     model_dir: str | None = None  # default: the tiny test model (only its config is read)
 
 
 def configurations(children: list[int]) -> dict[str, dict[str, Any] | None]:
-    from kvcompose.testing.trees import chain, kvcompose_config
+    from kvcompose.config import load_config
+    from kvcompose.config.render import vllm_args
 
     out: dict[str, dict[str, Any] | None] = {"none": None, "direct": noop_config()}
     for k in children:
         out[f"multiconnector-{k}"] = {
-            "kv_connector": "MultiConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"connectors": [noop_config() for _ in range(k)]}}
-        leaves = [{"kind": "leaf", "name": f"c{i}", "connector": "NoopConnector",
-                   "module_path": MODULE_PATH} for i in range(k)]
-        out[f"kvcompose-{k}"] = kvcompose_config(chain("tiers", *leaves, policy="first"))
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [noop_config() for _ in range(k)]},
+        }
+        leaves = [
+            {"leaf": {"name": f"c{i}", "connector": "NoopConnector", "module_path": MODULE_PATH}}
+            for i in range(k)
+        ]
+        document = {
+            "version": 1,
+            "kv_role": "kv_both",
+            "tree": {"chain": {"name": "tiers", "policy": "first", "children": leaves}},
+        }
+        out[f"kvcompose-{k}"] = vllm_args(load_config(document, env={}))
     return out
 
 
-def _make_harness(model_dir: Path, ktc: dict[str, Any] | None, n: int,
-                  opts: OverheadOptions) -> Any:
-    from kvcompose.testing.harness import SchedulerHarness
+def _make_harness(
+    model_dir: Path, ktc: dict[str, Any] | None, n: int, opts: OverheadOptions
+) -> Any:
+    from kvcompose.engine.harness import SchedulerHarness
 
     max_tokens = opts.steps + 2
     per_req_blocks = -(-(opts.prompt_len + max_tokens) // opts.block_size) + 1
-    return SchedulerHarness(model_dir, ktc, block_size=opts.block_size,
-                            num_blocks=n * per_req_blocks + 64, max_num_seqs=n,
-                            max_num_batched_tokens=n * opts.prompt_len,
-                            max_model_len=opts.prompt_len + max_tokens + opts.block_size)
+    return SchedulerHarness(
+        model_dir,
+        ktc,
+        block_size=opts.block_size,
+        num_blocks=n * per_req_blocks + 64,
+        max_num_seqs=n,
+        max_num_batched_tokens=n * opts.prompt_len,
+        max_model_len=opts.prompt_len + max_tokens + opts.block_size,
+    )
 
 
-def _one_round(model_dir: Path, configs: dict[str, dict[str, Any] | None], n: int,
-               opts: OverheadOptions) -> dict[str, dict[str, float]]:
+@dataclass
+class RoundTimes:
+    """One configuration in one round: seconds (``decode_s`` per decode step)."""
+
+    add_s: float
+    admit_s: float
+    decode_s: float
+    finish_s: float
+    total_s: float
+    steps: int
+    in_connector_s: float
+    connector_calls: int
+    by_method: dict[str, float]  # seconds inside each connector method
+
+    @classmethod
+    def best(cls, rounds: list[RoundTimes]) -> RoundTimes:
+        """The smallest value of every field over the rounds."""
+        methods = {k for r in rounds for k in r.by_method}
+        return cls(
+            **{
+                f: min(getattr(r, f) for r in rounds)
+                for f in cls.__dataclass_fields__
+                if f != "by_method"
+            },
+            by_method={k: min(r.by_method.get(k, 0.0) for r in rounds) for k in methods},
+        )
+
+
+def _one_round(
+    model_dir: Path, configs: dict[str, dict[str, Any] | None], n: int, opts: OverheadOptions
+) -> dict[str, RoundTimes]:
     """Run the same N requests through every configuration, interleaved step by step (each
     engine step of each configuration in turn, the order rotating), so that interference
     from other processes falls on all configurations alike."""
     max_tokens = opts.steps + 2
     names = list(configs)
     harnesses = {name: _make_harness(model_dir, ktc, n, opts) for name, ktc in configs.items()}
-    timers = {name: (_CallTimer(h.scheduler.connector) if h.scheduler.connector is not None
-                     else None) for name, h in harnesses.items()}
+    timers = {
+        name: (_CallTimer(h.scheduler.connector) if h.scheduler.connector is not None else None)
+        for name, h in harnesses.items()
+    }
     try:
         prompts = [harnesses[names[0]].make_prompt(opts.prompt_len, seed=i) for i in range(n)]
         add_s: dict[str, float] = {}
@@ -125,23 +190,26 @@ def _one_round(model_dir: Path, configs: dict[str, dict[str, Any] | None], n: in
                 active = [name for name in active if harnesses[name].has_work()]
         finally:
             gc.enable()
-        out: dict[str, dict[str, float]] = {}
+        out: dict[str, RoundTimes] = {}
         for name in names:
             if admitted.get(name) != n:
-                raise RuntimeError(f"{name}: only {admitted.get(name)} of {n} requests admitted "
-                                   "in the first step")
+                raise RuntimeError(
+                    f"{name}: only {admitted.get(name)} of {n} requests admitted in the first step"
+                )
             if finished[name] != n or name not in finish_step:
                 raise RuntimeError(f"{name}: {finished[name]} of {n} requests finished")
             st, fs, timer = steps[name], finish_step[name], timers[name]
-            out[name] = {
-                "add_s": add_s[name], "admit_s": st[0],
-                "decode_s": statistics.fmean(st[1:fs]) if fs > 1 else 0.0,
-                "finish_s": sum(st[fs:]), "total_s": add_s[name] + sum(st),
-                "steps": float(len(st)),
-                "in_connector_s": timer.total if timer else 0.0,
-                "connector_calls": float(timer.calls if timer else 0),
-                **{f"method.{k}": v[0] for k, v in (timer.by_method if timer else {}).items()
-                   if v[1]}}
+            out[name] = RoundTimes(
+                add_s=add_s[name],
+                admit_s=st[0],
+                decode_s=statistics.fmean(st[1:fs]) if fs > 1 else 0.0,
+                finish_s=sum(st[fs:]),
+                total_s=add_s[name] + sum(st),
+                steps=len(st),
+                in_connector_s=timer.total if timer else 0.0,
+                connector_calls=timer.calls if timer else 0,
+                by_method={k: v[0] for k, v in (timer.by_method if timer else {}).items() if v[1]},
+            )
         return out
     finally:
         for h in harnesses.values():
@@ -189,18 +257,18 @@ class _CallTimer:
         return timed
 
 
-def run_overhead(opts: OverheadOptions, progress: Any = None) -> dict[str, Any]:
-    """Measure every configuration for every N; return a JSON-able result with ratios."""
+def run_overhead(opts: OverheadOptions, progress: Any = None) -> OverheadResult:
+    """Measure every configuration for every N; return the result with ratios."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     if opts.model_dir:
         model_dir = Path(opts.model_dir)
     else:
-        from kvcompose.bench.model import tiny_model
+        from kvcompose.engine.model import tiny_model
 
         model_dir = tiny_model()
     configs = configurations(opts.children)
     t0 = time.perf_counter()
-    raw: dict[int, dict[str, list[dict[str, float]]]] = {}
+    raw: dict[int, dict[str, list[RoundTimes]]] = {}
     for n in opts.requests:
         raw[n] = {name: [] for name in configs}
         _one_round(model_dir, {"none": None, "direct": configs["direct"]}, min(n, 64), opts)
@@ -209,108 +277,121 @@ def run_overhead(opts: OverheadOptions, progress: Any = None) -> dict[str, Any]:
             for name, m in measured.items():
                 raw[n][name].append(m)
             if progress is not None:
-                progress.print(f"overhead: N={n} round {rep + 1}/{opts.repeats}: " + ", ".join(
-                    f"{name} {m['total_s'] * 1000:.0f} ms" for name, m in measured.items()))
-    results: dict[str, Any] = {
-        "meta": {"options": asdict(opts), "model": str(model_dir), "vllm": _version("vllm"),
-                 "python": platform.python_version(), "cpus": os.cpu_count(),
-                 "duration_s": None},
-        "by_requests": {},
-    }
-    for n, per_config in raw.items():
-        # Best of the repeats: interference from other processes only ever adds time.
-        best = {name: {k: min(r.get(k, 0.0) for r in runs) for k in runs[0]}
-                for name, runs in per_config.items()}
-        base = best["none"]
-        steps = base["steps"]
-        rows: dict[str, Any] = {}
-        for name, m in best.items():
-            rows[name] = {
-                "in_connector_us_per_request_step": round(m["in_connector_s"] / (n * steps)
-                                                          * 1e6, 4),
-                "connector_calls": int(m["connector_calls"]),
-                "total_ms": round(m["total_s"] * 1e3, 3),
-                "us_per_request_step": round(m["total_s"] / (n * steps) * 1e6, 4),
-                "added_us_per_request_step": round((m["total_s"] - base["total_s"])
-                                                   / (n * steps) * 1e6, 4),
-                "added_us_per_request_admit": round((m["admit_s"] + m["add_s"] - base["admit_s"]
-                                                     - base["add_s"]) / n * 1e6, 4),
-                "added_us_per_request_decode_step": round((m["decode_s"] - base["decode_s"])
-                                                          / n * 1e6, 4),
-                "added_us_per_request_finish": round((m["finish_s"] - base["finish_s"]) / n
-                                                     * 1e6, 4),
-                "runs_total_ms": [round(r["total_s"] * 1e3, 3) for r in per_config[name]],
-                "runs_in_connector_ms": [round(r["in_connector_s"] * 1e3, 3)
-                                         for r in per_config[name]],
-                "in_connector_us_per_request_by_method": {
-                    k.split(".", 1)[1]: round(v / n * 1e6, 4) for k, v in m.items()
-                    if k.startswith("method.")},
-            }
-        ratios: dict[str, Any] = {}
-        key = "in_connector_us_per_request_step"
-
-        def paired(a: str, b: str, field: str = "in_connector_s",
-                   per_config: dict[str, list[dict[str, float]]] = per_config) -> float | None:
-            """Median over rounds of a/b, each round's two numbers measured side by side."""
-            vals = []
-            for ra, rb, rn in zip(per_config[a], per_config[b], per_config["none"],
-                                  strict=True):
-                x, y = ra[field], rb[field]
-                if field == "total_s":  # added time over no connector, same round
-                    x, y = x - rn[field], y - rn[field]
-                if y > 0:
-                    vals.append(x / y)
-            return round(statistics.median(vals), 3) if vals else None
-
-        for k in opts.children:
-            kvn, mcn = f"kvcompose-{k}", f"multiconnector-{k}"
-            ratios[f"{k}_children"] = {
-                "kvcompose_over_multiconnector": paired(kvn, mcn),
-                "kvcompose_over_direct": paired(kvn, "direct"),
-                "multiconnector_over_direct": paired(mcn, "direct"),
-                "kvcompose_no_slower_than_multiconnector": rows[kvn][key] <= rows[mcn][key],
-                "end_to_end_added_kvcompose_over_multiconnector": paired(kvn, mcn, "total_s"),
-            }
-        results["by_requests"][str(n)] = {"steps": int(steps), "configs": rows,
-                                          "ratios": ratios}
-    results["meta"]["duration_s"] = round(time.perf_counter() - t0, 1)
-    return results
+                progress.print(
+                    f"overhead: N={n} round {rep + 1}/{opts.repeats}: "
+                    + ", ".join(f"{name} {m.total_s * 1000:.0f} ms" for name, m in measured.items())
+                )
+    result = OverheadResult(
+        meta=OverheadMeta(
+            options=asdict(opts),
+            model=str(model_dir),
+            vllm=package_version("vllm"),
+            python=platform.python_version(),
+            cpus=os.cpu_count(),
+        ),
+        by_requests={str(n): _summary(n, per_config, opts) for n, per_config in raw.items()},
+    )
+    result.meta.duration_s = round(time.perf_counter() - t0, 1)
+    return result
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b > 0 else None
+def _summary(
+    n: int, per_config: dict[str, list[RoundTimes]], opts: OverheadOptions
+) -> OverheadEntry:
+    # Best of the repeats: interference from other processes only ever adds time.
+    best = {name: RoundTimes.best(runs) for name, runs in per_config.items()}
+    base = best["none"]
+    per_step = n * base.steps
+    rows: dict[str, OverheadRow] = {}
+    for name, m in best.items():
+        rows[name] = OverheadRow(
+            in_connector_us_per_request_step=round(m.in_connector_s / per_step * 1e6, 4),
+            connector_calls=m.connector_calls,
+            total_ms=round(m.total_s * 1e3, 3),
+            us_per_request_step=round(m.total_s / per_step * 1e6, 4),
+            added_us_per_request_step=round((m.total_s - base.total_s) / per_step * 1e6, 4),
+            added_us_per_request_admit=round(
+                (m.admit_s + m.add_s - base.admit_s - base.add_s) / n * 1e6, 4
+            ),
+            added_us_per_request_decode_step=round((m.decode_s - base.decode_s) / n * 1e6, 4),
+            added_us_per_request_finish=round((m.finish_s - base.finish_s) / n * 1e6, 4),
+            runs_total_ms=[round(r.total_s * 1e3, 3) for r in per_config[name]],
+            runs_in_connector_ms=[round(r.in_connector_s * 1e3, 3) for r in per_config[name]],
+            in_connector_us_per_request_by_method={
+                k: round(v / n * 1e6, 4) for k, v in m.by_method.items()
+            },
+        )
+
+    def paired(a: str, b: str, added: bool = False) -> float | None:
+        """Median over rounds of a/b, each round's two numbers measured side by side
+        (``added``: total time over no connector's in the same round)."""
+        vals = []
+        for ra, rb, rn in zip(per_config[a], per_config[b], per_config["none"], strict=True):
+            x, y = (
+                (ra.total_s - rn.total_s, rb.total_s - rn.total_s)
+                if added
+                else (ra.in_connector_s, rb.in_connector_s)
+            )
+            if y > 0:
+                vals.append(x / y)
+        return round(statistics.median(vals), 3) if vals else None
+
+    ratios: dict[str, OverheadRatios] = {}
+    for k in opts.children:
+        kvn, mcn = f"kvcompose-{k}", f"multiconnector-{k}"
+        ratios[f"{k}_children"] = OverheadRatios(
+            kvcompose_over_multiconnector=paired(kvn, mcn),
+            kvcompose_over_direct=paired(kvn, "direct"),
+            multiconnector_over_direct=paired(mcn, "direct"),
+            kvcompose_no_slower_than_multiconnector=(
+                rows[kvn].in_connector_us_per_request_step
+                <= rows[mcn].in_connector_us_per_request_step
+            ),
+            end_to_end_added_kvcompose_over_multiconnector=paired(kvn, mcn, added=True),
+        )
+    return OverheadEntry(steps=base.steps, configs=rows, ratios=ratios)
 
 
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for name in (dist, f"{dist}-cpu"):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-    return None
-
-
-def table(result: dict[str, Any]) -> Any:
+def table(result: OverheadResult) -> Any:
     from rich.table import Table
 
-    t = Table(title="scheduler-side overhead on vLLM's real scheduler, no-op children (best of "
-                    "repeats; µs per request per engine step)", title_justify="left")
-    for col in ("N", "config", "in connector µs", "step total µs", "added vs none µs",
-                "admit +µs/req", "decode +µs", "finish +µs/req"):
+    t = Table(
+        title="scheduler-side overhead on vLLM's real scheduler, no-op children (best of "
+        "repeats; µs per request per engine step)",
+        title_justify="left",
+    )
+    for col in (
+        "N",
+        "config",
+        "in connector µs",
+        "step total µs",
+        "added vs none µs",
+        "admit +µs/req",
+        "decode +µs",
+        "finish +µs/req",
+    ):
         t.add_column(col, justify="left" if col == "config" else "right")
-    for n, entry in result["by_requests"].items():
-        for name, row in entry["configs"].items():
-            t.add_row(n, name, f"{row['in_connector_us_per_request_step']:.3f}",
-                      f"{row['us_per_request_step']:.2f}",
-                      f"{row['added_us_per_request_step']:.2f}",
-                      f"{row['added_us_per_request_admit']:.2f}",
-                      f"{row['added_us_per_request_decode_step']:.2f}",
-                      f"{row['added_us_per_request_finish']:.2f}")
-        for k, r in entry["ratios"].items():
-            t.add_row(n, f"ratio, {k.replace('_', ' ')}",
-                      f"kvc/MC {r['kvcompose_over_multiconnector']}",
-                      f"kvc/direct {r['kvcompose_over_direct']}",
-                      f"MC/direct {r['multiconnector_over_direct']}", "", "", "")
+    for n, entry in result.by_requests.items():
+        for name, row in entry.configs.items():
+            t.add_row(
+                n,
+                name,
+                f"{row.in_connector_us_per_request_step:.3f}",
+                f"{row.us_per_request_step:.2f}",
+                f"{row.added_us_per_request_step:.2f}",
+                f"{row.added_us_per_request_admit:.2f}",
+                f"{row.added_us_per_request_decode_step:.2f}",
+                f"{row.added_us_per_request_finish:.2f}",
+            )
+        for k, r in entry.ratios.items():
+            t.add_row(
+                n,
+                f"ratio, {k.replace('_', ' ')}",
+                f"kvc/MC {r.kvcompose_over_multiconnector}",
+                f"kvc/direct {r.kvcompose_over_direct}",
+                f"MC/direct {r.multiconnector_over_direct}",
+                "",
+                "",
+                "",
+            )
     return t

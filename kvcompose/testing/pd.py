@@ -1,9 +1,7 @@
 """Two real engines in prefill/decode roles, each in its own process.
 
-``EngineProcess`` runs a single-process ``vllm.LLM`` in a child process (``spawn``) and serves
-``generate``/``stats``/``close`` over a pipe. While idle, the child keeps stepping its engine
-as long as the scheduler holds requests (as ``EngineCore``'s busy loop would), so a prefill
-engine notices that the decode side has pulled its blocks and frees them.
+``EngineProcess`` is ``kvcompose.engine.process.EngineProcess`` (a ``vllm.LLM`` in a child
+process) with ``inspect``/``wait_until``, which read the engine-side helpers below.
 
 ``PDPair`` starts a prefill (P) and a decode (D) engine with a P/D connector (by default vLLM's
 NixlConnector over UCX with ``kv_buffer_device: "cpu"``) and distinct NIXL side-channel ports.
@@ -14,14 +12,21 @@ The connector config is a parameter, so kvcompose trees containing NIXL can be u
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import os
 import socket
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
+
+from kvcompose.engine import probe
+from kvcompose.engine import process as engine_process
+from kvcompose.engine.probe import walk_connectors
+from kvcompose.engine.process import EngineError as EngineError
+from kvcompose.testing.pd_trace import _TRACE
+from kvcompose.testing.pd_trace import drop_calls as drop_calls
+from kvcompose.testing.pd_trace import scheduler_connectors as scheduler_connectors
+from kvcompose.testing.pd_trace import take_trace as take_trace
+from kvcompose.testing.pd_trace import trace_on as trace_on
 
 #: The default P/D connector: NIXL over UCX between host-memory KV buffers.
 NIXL_CPU_CONFIG: dict[str, Any] = {
@@ -42,94 +47,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class EngineError(RuntimeError):
-    """The engine process failed; the message holds its traceback."""
-
-
-class EngineProcess:
-    """A ``vllm.LLM`` in its own process.
-
-    ``kv_transfer_config``: the dict form of ``KVTransferConfig`` (``kv_role`` defaults to
-    ``"kv_both"``). ``env``: extra environment for the child, applied before vLLM is
-    imported there (e.g. ``VLLM_NIXL_SIDE_CHANNEL_PORT``). ``llm_kwargs`` go to ``vllm.LLM``.
-    """
-
-    def __init__(
-        self,
-        model_dir: str | os.PathLike[str],
-        kv_transfer_config: dict[str, Any] | None = None,
-        *,
-        name: str = "engine",
-        env: dict[str, str] | None = None,
-        llm_kwargs: dict[str, Any] | None = None,
-        start_timeout: float = 300.0,
-        call_timeout: float = 300.0,
-    ) -> None:
-        self.name = name
-        self.call_timeout = call_timeout
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_engine_main,
-            args=(
-                child_conn,
-                str(model_dir),
-                kv_transfer_config,
-                dict(env or {}),
-                dict(llm_kwargs or {}),
-            ),
-            name=f"kvcompose-{name}",
-            daemon=True,
-        )
-        self._proc.start()
-        child_conn.close()
-        self._closed = False
-        try:
-            self.info: dict[str, Any] = self._receive(start_timeout, what="start-up")
-        except BaseException:
-            self._kill()
-            raise
-
-    # ------------------------------------------------------------------ calls
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        max_tokens: int,
-        kv_transfer_params: dict[str, Any] | list[dict[str, Any] | None] | None = None,
-    ) -> list[tuple[list[int], dict[str, Any] | None]]:
-        """Greedy generation; one ``(token_ids, kv_transfer_params)`` per prompt, where the
-        params are what the engine returned for the request (P/D hand-off)."""
-        return self._call("generate", [list(p) for p in prompts], max_tokens, kv_transfer_params)
-
-    def stats(self) -> dict[str, Any]:
-        """Prometheus metrics of the engine (``vllm:*``): counters and gauges as numbers
-        (summed over labels), histograms as ``{"count": n, "sum": s}``. NIXL's
-        ``vllm:nixl_bytes_transferred`` etc. appear once transfers happened."""
-        return self._call("stats")
-
-    def is_idle(self) -> bool:
-        """True when the engine's scheduler holds no request (finished or not)."""
-        return self._call("idle")
-
-    def wait_idle(self, timeout: float = 60.0) -> bool:
-        """Wait until the scheduler holds no request (e.g. P after D pulled its blocks)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.is_idle():
-                return True
-            time.sleep(0.2)
-        return False
-
-    def call(self, fn: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn(llm, *args, **kwargs)`` inside the engine process and return its result.
-
-        ``fn`` is a module-level function or its ``"package.module:name"``; it gets the
-        process's ``vllm.LLM`` and runs between engine steps (the idle stepping pauses while
-        it runs). Arguments and result travel by pickle. The engine-side helpers below
-        (``snapshot``, ``trace_on``, ``run_requests``, ``submit_and_abort``, ...) are meant
-        for it."""
-        return self._call("call", fn, args, kwargs)
+class EngineProcess(engine_process.EngineProcess):
+    """``kvcompose.engine.process.EngineProcess`` with the P/D tests' inspection calls."""
 
     def inspect(self) -> dict[str, Any]:
         """``snapshot`` of the engine: block pool usage, requests held by the scheduler,
@@ -137,7 +56,9 @@ class EngineProcess:
         return self.call(snapshot)
 
     def wait_until(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 60.0,
+        self,
+        predicate: Callable[[dict[str, Any]], bool],
+        timeout: float = 60.0,
         interval: float = 0.05,
     ) -> dict[str, Any] | None:
         """Poll ``inspect()`` until ``predicate(snapshot)`` holds; the first snapshot that
@@ -150,59 +71,6 @@ class EngineProcess:
             if time.monotonic() > deadline:
                 return None
             time.sleep(interval)
-
-    def close(self, timeout: float = 60.0) -> None:
-        """Shut the engine down and end the process (killed after ``timeout``)."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self._proc.is_alive():
-                self._conn.send(("close",))
-                if self._conn.poll(timeout):
-                    with contextlib.suppress(EOFError, OSError):
-                        self._conn.recv()
-        except (BrokenPipeError, OSError):
-            pass
-        self._proc.join(timeout=10)
-        self._kill()
-        self._conn.close()
-
-    def __enter__(self) -> EngineProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # ------------------------------------------------------------------ plumbing
-
-    def _call(self, *msg: Any) -> Any:
-        if self._closed:
-            raise EngineError(f"{self.name}: closed")
-        self._conn.send(msg)
-        return self._receive(self.call_timeout, what=str(msg[0]))
-
-    def _receive(self, timeout: float, *, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        while not self._conn.poll(0.2):
-            if not self._proc.is_alive():
-                raise EngineError(
-                    f"{self.name}: process died during {what} (exit code {self._proc.exitcode})"
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name}: no answer to {what} within {timeout:.0f} s")
-        kind, payload = self._conn.recv()
-        if kind == "error":
-            raise EngineError(f"{self.name}: {what} failed in the engine process:\n{payload}")
-        return payload
-
-    def _kill(self) -> None:
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(timeout=10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(timeout=5)
 
 
 class PDPair:
@@ -272,86 +140,6 @@ class PDPair:
         self.close()
 
 
-# ----------------------------------------------------------------------------- child side
-
-
-def _engine_main(
-    conn: Any,
-    model_dir: str,
-    kv_transfer_config: dict[str, Any] | None,
-    env: dict[str, str],
-    llm_kwargs: dict[str, Any],
-) -> None:
-    os.environ.update(env)
-    try:
-        from kvcompose.testing.engine import engine_env
-
-        engine_env()  # before vLLM/torch are imported in this process
-        from kvcompose.testing.engine import cleanup, greedy, make_llm
-
-        llm_kwargs.setdefault("disable_log_stats", False)
-        with make_llm(model_dir, kv_transfer_config, **llm_kwargs) as llm:
-            core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
-            conn.send(("ok", {"pid": os.getpid(), "env": env}))
-            _serve(conn, llm, core, greedy)
-        cleanup()
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-        raise
-    finally:
-        with contextlib.suppress(Exception):
-            conn.close()
-
-
-def _serve(conn: Any, llm: Any, core: Any, greedy: Callable[..., Any]) -> None:
-    while True:
-        if not conn.poll(0.05):
-            # Idle: keep the engine stepping while its scheduler holds requests (finished
-            # ones waiting for a transfer to complete, e.g. P's blocks until D has read them).
-            if core.scheduler.has_requests():
-                llm.llm_engine.step()
-            continue
-        msg = conn.recv()
-        op = msg[0]
-        try:
-            if op == "close":
-                conn.send(("ok", None))
-                return
-            if op == "generate":
-                _, prompts, max_tokens, params = msg
-                outs = greedy(llm, prompts, max_tokens, kv_transfer_params=params,
-                              return_outputs=True)  # fmt: skip
-                result = [(list(o.outputs[0].token_ids), o.kv_transfer_params) for o in outs]
-                conn.send(("ok", result))
-            elif op == "stats":
-                conn.send(("ok", _metrics(llm)))
-            elif op == "idle":
-                conn.send(("ok", not core.scheduler.has_requests()))
-            elif op == "call":
-                _, fn, args, kwargs = msg
-                conn.send(("ok", _resolve(fn)(llm, *args, **kwargs)))
-            else:
-                conn.send(("error", f"unknown op {op!r}"))
-        except Exception:
-            conn.send(("error", traceback.format_exc()))
-
-
-def _metrics(llm: Any) -> dict[str, Any]:
-    from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Vector
-
-    out: dict[str, Any] = {}
-    for m in llm.get_metrics():
-        if isinstance(m, Counter | Gauge):
-            out[m.name] = out.get(m.name, 0) + m.value
-        elif isinstance(m, Histogram):
-            prev = out.get(m.name, {"count": 0, "sum": 0.0})
-            out[m.name] = {"count": prev["count"] + m.count, "sum": prev["sum"] + m.sum}
-        elif isinstance(m, Vector):
-            out[m.name] = list(m.values)
-    return out
-
-
 # ----------------------------------------------------------------------------- engine side
 # Functions run inside an engine process through ``EngineProcess.call`` (their first argument
 # is that process's ``vllm.LLM``). They read state, or wrap methods to record what happened
@@ -359,55 +147,13 @@ def _metrics(llm: Any) -> dict[str, Any]:
 # every process of the machine, so events of the P and D engines can be compared.
 
 
-def _resolve(fn: str | Callable[..., Any]) -> Callable[..., Any]:
-    if callable(fn):
-        return fn
-    import importlib
-
-    module, _, name = fn.partition(":")
-    target: Any = importlib.import_module(module)
-    for part in name.split("."):
-        target = getattr(target, part)
-    return target
-
-
-def _core(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
-
-
-def _walk(connector: Any, path: str = "") -> list[tuple[str, Any]]:
-    """``(path, connector)`` for a connector and its descendants. Children of a kvcompose
-    node are named by node name, MultiConnector's by ``<index>.<class>``."""
-    if connector is None:
-        return []
-    out = [(path or "root", connector)]
-    children = getattr(connector, "children", None)
-    subs = getattr(connector, "_connectors", None)
-    if subs is None:
-        return out
-    for i, sub in enumerate(subs):
-        if children is not None and i < len(children) and hasattr(children[i], "name"):
-            name = children[i].name
-        else:
-            name = f"{i}.{type(sub).__name__}"
-        out.extend(_walk(sub, f"{path}/{name}" if path else name))
-    return out
-
-
-def scheduler_connectors(llm: Any) -> dict[str, Any]:
-    """The scheduler-side connector tree, by path (``"root"``, ``"nixl"``, ``"a/b"``)."""
-    return dict(_walk(_core(llm).scheduler.connector))
-
-
 def worker_connectors(llm: Any) -> dict[str, Any]:
     """The worker-side connector tree of a single-process engine, by path."""
     try:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        root = get_kv_transfer_group()
+        root = probe.worker_connector()
     except Exception:
         return {}
-    return dict(_walk(root))
+    return {n.path: n.connector for n in walk_connectors(root)}
 
 
 def connector_paths(llm: Any, side: str = "scheduler") -> dict[str, str]:
@@ -418,10 +164,21 @@ def connector_paths(llm: Any, side: str = "scheduler") -> dict[str, str]:
 
 #: Per-request tables of NIXL's scheduler and worker halves that must be empty once nothing
 #: is in flight (P: blocks waiting for D's read; D: reads and notifications not done).
-NIXL_SCHEDULER_TABLES = ("_reqs_need_recv", "_reqs_need_save", "_reqs_need_send",
-                         "_reqs_in_batch", "_reqs_not_processed", "_heartbeat_req_engine")
-NIXL_WORKER_TABLES = ("_recving_metadata", "_recving_transfers", "_reqs_to_send",
-                      "_reqs_to_process", "consumer_notification_counts_by_req")
+NIXL_SCHEDULER_TABLES = (
+    "_reqs_need_recv",
+    "_reqs_need_save",
+    "_reqs_need_send",
+    "_reqs_in_batch",
+    "_reqs_not_processed",
+    "_heartbeat_req_engine",
+)
+NIXL_WORKER_TABLES = (
+    "_recving_metadata",
+    "_recving_transfers",
+    "_reqs_to_send",
+    "_reqs_to_process",
+    "consumer_notification_counts_by_req",
+)
 
 
 def _tables(obj: Any, names: tuple[str, ...]) -> dict[str, Any]:
@@ -441,8 +198,10 @@ def nixl_live(llm: Any) -> dict[str, Any]:
     (``{}`` when nothing is in flight). ``_reqs_to_send`` on P: requests whose blocks wait
     for D's read (with their lease)."""
     out: dict[str, Any] = {}
-    for side, tree in (("scheduler", scheduler_connectors(llm)),
-                       ("worker", worker_connectors(llm))):
+    for side, tree in (
+        ("scheduler", scheduler_connectors(llm)),
+        ("worker", worker_connectors(llm)),
+    ):
         for path, conn in tree.items():
             # NixlConnector (vLLM builds NixlPullConnector/NixlPushConnector) by shape
             if not (hasattr(conn, "connector_scheduler") and hasattr(conn, "connector_worker")):
@@ -459,8 +218,10 @@ def kvcompose_live(llm: Any) -> dict[str, Any]:
     """``live_requests()`` of the kvcompose root on the scheduler and the worker side
     (``{}`` when nothing is in flight or the root is not a kvcompose node)."""
     out: dict[str, Any] = {}
-    for side, tree in (("scheduler", scheduler_connectors(llm)),
-                       ("worker", worker_connectors(llm))):
+    for side, tree in (
+        ("scheduler", scheduler_connectors(llm)),
+        ("worker", worker_connectors(llm)),
+    ):
         root = tree.get("root")
         live = getattr(root, "live_requests", None)
         if live is not None:
@@ -475,7 +236,7 @@ def snapshot(llm: Any) -> dict[str, Any]:
     blocks count as free), ``requests`` (request id → status, KV blocks held; finished
     requests whose blocks wait for a transfer stay here), queue lengths, the scheduler's
     step count since ``trace_on`` (or None), ``kvcompose`` and ``nixl`` live tables."""
-    sched = _core(llm).scheduler
+    sched = probe.scheduler(llm)
     pool = sched.kv_cache_manager.block_pool
     total = pool.num_gpu_blocks - 1  # the null block is never free
     free = pool.get_num_free_blocks()
@@ -485,8 +246,11 @@ def snapshot(llm: Any) -> dict[str, Any]:
             blocks = sum(len(g) for g in sched.kv_cache_manager.get_block_ids(req_id))
         except Exception:
             blocks = None
-        requests[req_id] = {"status": req.status.name, "blocks": blocks,
-                            "computed": req.num_computed_tokens}
+        requests[req_id] = {
+            "status": req.status.name,
+            "blocks": blocks,
+            "computed": req.num_computed_tokens,
+        }
     trace = _TRACE.get("trace")
     return {
         "t": time.monotonic(),
@@ -506,151 +270,21 @@ def snapshot(llm: Any) -> dict[str, Any]:
 
 def is_clean(snap: dict[str, Any]) -> bool:
     """No request, no used block, no deferred free, empty kvcompose and NIXL tables."""
-    return (not snap["requests"] and snap["used_blocks"] == 0 and not snap["deferred_frees"]
-            and not snap["kvcompose"] and not snap["nixl"])
-
-
-_TRACE: dict[str, Any] = {}
-
-
-def trace_on(llm: Any) -> None:
-    """Record, with ``time.monotonic()`` stamps: every scheduler step; every block free of a
-    request (``free``: request id, blocks); and for every connector of the scheduler-side
-    tree, each ``lookup`` (what it answered), ``alloc`` (the tokens it was told) and
-    ``finished`` (whether it delays the free). Idempotent; ``take_trace`` reads it."""
-    if "trace" in _TRACE:
-        return
-    trace: dict[str, Any] = {"steps": 0, "step_times": [], "events": []}
-    _TRACE["trace"] = trace
-    sched = _core(llm).scheduler
-    events = trace["events"]
-
-    orig_schedule = sched.schedule
-
-    def schedule(*a: Any, **kw: Any) -> Any:
-        trace["steps"] += 1
-        times = trace["step_times"]
-        times.append(time.monotonic())
-        if len(times) > 20000:
-            del times[:10000]
-        return orig_schedule(*a, **kw)
-
-    sched.schedule = schedule
-
-    orig_free = sched._free_blocks
-
-    def free_blocks(request: Any) -> Any:
-        try:
-            n = sum(len(g) for g in sched.kv_cache_manager.get_block_ids(request.request_id))
-        except Exception:
-            n = None
-        events.append({"kind": "free", "t": time.monotonic(), "req": request.request_id,
-                       "blocks": n, "step": trace["steps"]})
-        return orig_free(request)
-
-    sched._free_blocks = free_blocks
-
-    for path, conn in scheduler_connectors(llm).items():
-        _wrap_connector(conn, path, trace)
-        _rebind(llm, conn)
-
-
-def _rebind(llm: Any, conn: Any) -> None:
-    """Let kvcompose nodes above ``conn`` re-cache its (now wrapped) hot-path methods."""
-    for _, parent in scheduler_connectors(llm).items():
-        if conn in (getattr(parent, "_connectors", None) or ()):
-            parent.refresh_child_methods()
-
-
-def _wrap_connector(conn: Any, path: str, trace: dict[str, Any]) -> None:
-    events = trace["events"]
-    lookup, alloc, finish = (conn.get_num_new_matched_tokens, conn.update_state_after_alloc,
-                             conn.request_finished)
-
-    def get_num_new_matched_tokens(request: Any, num_computed_tokens: int) -> Any:
-        result = lookup(request, num_computed_tokens)
-        events.append({"kind": "lookup", "t": time.monotonic(), "node": path,
-                       "req": request.request_id, "local": num_computed_tokens,
-                       "result": tuple(result), "step": trace["steps"]})
-        return result
-
-    def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> Any:
-        events.append({"kind": "alloc", "t": time.monotonic(), "node": path,
-                       "req": request.request_id, "tokens": num_external_tokens,
-                       "step": trace["steps"]})
-        return alloc(request, blocks, num_external_tokens)
-
-    def request_finished(request: Any, block_ids: Any) -> Any:
-        result = finish(request, block_ids)
-        events.append({"kind": "finished", "t": time.monotonic(), "node": path,
-                       "req": request.request_id, "delay": bool(result[0]),
-                       "status": request.status.name, "step": trace["steps"]})
-        return result
-
-    conn.get_num_new_matched_tokens = get_num_new_matched_tokens
-    conn.update_state_after_alloc = update_state_after_alloc
-    conn.request_finished = request_finished
-
-
-def take_trace(llm: Any, clear: bool = True) -> dict[str, Any]:
-    """The recorded events (and step times) since ``trace_on`` or the last ``take_trace``."""
-    trace = _TRACE.get("trace")
-    if trace is None:
-        return {"steps": None, "step_times": [], "events": []}
-    out = {"steps": trace["steps"], "step_times": list(trace["step_times"]),
-           "events": list(trace["events"])}
-    if clear:
-        trace["events"].clear()
-        trace["step_times"].clear()
-    return out
-
-
-_DROPPED: dict[tuple[str, str], Any] = {}
-
-
-def drop_calls(llm: Any, node: str, method: str, *, zero_only: bool = False,
-               enable: bool = True) -> None:
-    """Fault injection: the scheduler-side connector at ``node`` (a path of
-    ``scheduler_connectors``) stops receiving ``method`` calls, as if its parent stopped
-    talking to it. ``zero_only`` (for ``update_state_after_alloc``) drops only the calls
-    with 0 external tokens: the upstream bug where a composite does not tell a child that
-    another child owns the load. Dropped calls are recorded as ``dropped`` trace events.
-    ``enable=False`` restores the method."""
-    conn = scheduler_connectors(llm)[node]
-    key = (node, method)
-    if not enable:
-        if key in _DROPPED:
-            setattr(conn, method, _DROPPED.pop(key))
-            _rebind(llm, conn)
-        return
-    if key in _DROPPED:
-        return
-    original = getattr(conn, method)
-    _DROPPED[key] = original
-    trace = _TRACE.get("trace")
-
-    def dropped(*args: Any, **kwargs: Any) -> Any:
-        if zero_only and not (len(args) >= 3 and args[2] == 0):
-            return original(*args, **kwargs)
-        if trace is not None:
-            request = args[0] if args else None
-            trace["events"].append({"kind": "dropped", "t": time.monotonic(), "node": node,
-                                    "method": method,
-                                    "req": getattr(request, "request_id", None),
-                                    "step": trace["steps"]})
-        if method == "request_finished":
-            return False, None
-        return None
-
-    setattr(conn, method, dropped)
-    _rebind(llm, conn)
+    return (
+        not snap["requests"]
+        and snap["used_blocks"] == 0
+        and not snap["deferred_frees"]
+        and not snap["kvcompose"]
+        and not snap["nixl"]
+    )
 
 
 def _sampling(max_tokens: int, params: dict[str, Any] | None) -> Any:
-    from kvcompose.testing.engine import sampling_params
+    from kvcompose.engine.llm import sampling_params
 
-    return sampling_params(max_tokens,
-                           extra_args={"kv_transfer_params": dict(params)} if params else None)
+    return sampling_params(
+        max_tokens, extra_args={"kv_transfer_params": dict(params)} if params else None
+    )
 
 
 def run_requests(
@@ -675,8 +309,9 @@ def run_requests(
     ids = request_ids or [f"run-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     internal: dict[str, str] = {}
     for ext, prompt, params in zip(ids, prompts, per_prompt, strict=True):
-        internal[ext] = engine.add_request(ext, TokensPrompt(prompt_token_ids=list(prompt)),
-                                           _sampling(max_tokens, params))
+        internal[ext] = engine.add_request(
+            ext, TokensPrompt(prompt_token_ids=list(prompt)), _sampling(max_tokens, params)
+        )
     done: dict[str, Any] = {}
     deadline = time.monotonic() + timeout
     while len(done) < len(ids):
@@ -686,9 +321,15 @@ def run_requests(
         for out in engine.step():
             if out.finished and out.request_id in internal:
                 done[out.request_id] = out
-    return [{"request_id": internal[ext], "token_ids": list(done[ext].outputs[0].token_ids),
-             "kv_transfer_params": done[ext].kv_transfer_params,
-             "num_cached_tokens": done[ext].num_cached_tokens} for ext in ids]
+    return [
+        {
+            "request_id": internal[ext],
+            "token_ids": list(done[ext].outputs[0].token_ids),
+            "kv_transfer_params": done[ext].kv_transfer_params,
+            "num_cached_tokens": done[ext].num_cached_tokens,
+        }
+        for ext in ids
+    ]
 
 
 def submit_and_abort(
@@ -710,10 +351,11 @@ def submit_and_abort(
     from vllm.v1.request import RequestStatus
 
     engine = llm.llm_engine
-    sched = _core(llm).scheduler
+    sched = probe.scheduler(llm)
     ext = f"abort-{time.monotonic_ns()}"
-    req_id = engine.add_request(ext, TokensPrompt(prompt_token_ids=list(prompt)),
-                                _sampling(max_tokens, kv_transfer_params))
+    req_id = engine.add_request(
+        ext, TokensPrompt(prompt_token_ids=list(prompt)), _sampling(max_tokens, kv_transfer_params)
+    )
 
     def reached() -> bool:
         req = sched.requests.get(req_id)
@@ -734,8 +376,13 @@ def submit_and_abort(
         engine.step()
         steps += 1
     req = sched.requests[req_id]
-    state = {"request_id": req_id, "steps": steps, "status": req.status.name,
-             "computed": req.num_computed_tokens, "t": time.monotonic()}
+    state = {
+        "request_id": req_id,
+        "steps": steps,
+        "status": req.status.name,
+        "computed": req.num_computed_tokens,
+        "t": time.monotonic(),
+    }
     engine.abort_request([req_id], internal=True)
     return state
 
@@ -766,7 +413,7 @@ def corrupt_request_blocks(llm: Any, request_id: str, seed: int = 0) -> int:
     these blocks gets garbage). Returns the number of blocks overwritten."""
     import torch
 
-    sched = _core(llm).scheduler
+    sched = probe.scheduler(llm)
     block_ids = list(sched.kv_cache_manager.get_block_ids(request_id)[0])
     if not block_ids:
         return 0

@@ -1,4 +1,5 @@
-"""``kvcompose bench`` pieces that need no engine: workloads, chains, metrics, reports, CLI."""
+"""``kvcompose bench`` pieces that need no engine: workloads, contenders, metrics, reports,
+CLI, goals."""
 
 from __future__ import annotations
 
@@ -7,20 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from kvcompose.bench import chains as chainmod
+from kvcompose.bench import contenders as cmod
 from kvcompose.bench import metrics
+from kvcompose.bench.traces import MooncakeParams, load_trace, mooncake_workload, write_trace
 from kvcompose.bench.workloads import (
     ChatParams,
     DocQAParams,
-    MooncakeParams,
     NoReuseParams,
     WorkloadError,
     chat_workload,
     docqa_workload,
-    load_trace,
-    mooncake_workload,
     noreuse_workload,
-    write_trace,
 )
 
 VOCAB = 1024
@@ -30,8 +28,16 @@ VOCAB = 1024
 
 
 def test_chat_tiers_hold_different_prefixes() -> None:
-    p = ChatParams(users=4, new_users=1, rounds=2, prior_rounds=2, system_prompts=2,
-                   system_len=256, user_len=32, answer_len=96)
+    p = ChatParams(
+        users=4,
+        new_users=1,
+        rounds=2,
+        prior_rounds=2,
+        system_prompts=2,
+        system_len=256,
+        user_len=32,
+        answer_len=96,
+    )
     wl = chat_workload(p, vocab_size=VOCAB, seed=3)
     assert len(wl.requests) == 8
     assert [len(s) for s in wl.prefill["fast"]] == [256, 256]
@@ -64,8 +70,9 @@ def test_workloads_are_deterministic_and_seeded() -> None:
 
 
 def test_docqa_and_noreuse() -> None:
-    wl = docqa_workload(DocQAParams(docs=2, doc_len=300, head_len=100, questions=3),
-                        vocab_size=VOCAB)
+    wl = docqa_workload(
+        DocQAParams(docs=2, doc_len=300, head_len=100, questions=3), vocab_size=VOCAB
+    )
     assert len(wl.requests) == 6
     for r in wl.requests:
         doc = wl.prefill["disk"][r.tags["doc"]]
@@ -99,8 +106,9 @@ def test_mooncake_keeps_sharing_structure() -> None:
         {"timestamp": 500, "input_length": 1200, "output_length": 40, "hash_ids": [0, 1, 7]},
         {"timestamp": 1500, "input_length": 600, "output_length": 10, "hash_ids": [5, 6]},
     ]
-    wl = mooncake_workload(rows, MooncakeParams(block_tokens=32, output_scale=0.1),
-                           vocab_size=VOCAB)
+    wl = mooncake_workload(
+        rows, MooncakeParams(block_tokens=32, output_scale=0.1), vocab_size=VOCAB
+    )
     a, b, c = wl.requests
     assert len(a.prompt) == 96 and len(b.prompt) == 75 and len(c.prompt) == 38
     assert a.prompt[:64] == b.prompt[:64]  # two shared hash blocks → 64 shared tokens
@@ -108,16 +116,22 @@ def test_mooncake_keeps_sharing_structure() -> None:
     assert a.prompt[:32] != c.prompt[:32]
     assert (a.arrival_s, b.arrival_s, c.arrival_s) == (0.0, 0.5, 1.5)
     assert (a.max_tokens, b.max_tokens, c.max_tokens) == (10, 4, 1)
-    warm = mooncake_workload(rows, MooncakeParams(block_tokens=32, warm=1, fast_blocks=1),
-                             vocab_size=VOCAB)
+    warm = mooncake_workload(
+        rows, MooncakeParams(block_tokens=32, warm=1, fast_blocks=1), vocab_size=VOCAB
+    )
     assert len(warm.requests) == 2 and warm.requests[0].arrival_s == 0.0
     assert warm.prefill["disk"][0] == a.prompt and warm.prefill["fast"][0] == a.prompt[:32]
 
 
 def test_mooncake_real_trace_file() -> None:
     # ../shared beside the checkout, as laid out for developers and CI
-    path = (Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake-traces"
-            / "conversation_trace.jsonl")
+    path = (
+        Path(__file__).resolve().parents[3]
+        / "shared"
+        / "data"
+        / "mooncake-traces"
+        / "conversation_trace.jsonl"
+    )
     if not path.exists():
         pytest.skip("Mooncake traces not available")
     wl = load_trace(path, vocab_size=VOCAB, limit=20, mooncake=MooncakeParams())
@@ -125,32 +139,33 @@ def test_mooncake_real_trace_file() -> None:
     assert all(len(r.prompt) <= 2048 for r in wl.requests)
 
 
-# --------------------------------------------------------------------------- chains
+# --------------------------------------------------------------------------- contenders
 
 
-def test_parse_chains(tmp_path: Path) -> None:
-    assert chainmod.parse_chain("none").kind == "none"
-    assert chainmod.parse_chain("base=recompute").label == "base"
-    c = chainmod.parse_chain("builtin:kvcompose-longest")
+def test_parse_contenders(tmp_path: Path) -> None:
+    assert cmod.parse_contender("none").kind == "none"
+    assert cmod.parse_contender("base=recompute").label == "base"
+    c = cmod.parse_contender("builtin:kvcompose-longest")
     assert c.kind == "kvcompose" and c.store_refs() == {"fast": "tmpfs", "disk": "store"}
     mc = tmp_path / "mc.json"
-    mc.write_text(chainmod.BUILTIN_CHAINS["multiconnector"][2] or "")
-    parsed = chainmod.parse_chain(f"upstream={mc}")
+    mc.write_text(cmod.BUILTIN_CONTENDERS["multiconnector"][2] or "")
+    parsed = cmod.parse_contender(f"upstream={mc}")
     assert (parsed.label, parsed.kind) == ("upstream", "vllm")
-    with pytest.raises(chainmod.ChainError, match="no such file"):
-        chainmod.parse_chain(str(tmp_path / "missing.yaml"))
-    with pytest.raises(chainmod.ChainError, match="unknown built-in"):
-        chainmod.parse_chain("builtin:nope")
-    defs = [chainmod.parse_chain("none"), chainmod.parse_chain("recompute")]
-    chainmod.unique_labels(defs)
+    with pytest.raises(cmod.ContenderError, match="no such file"):
+        cmod.parse_contender(str(tmp_path / "missing.yaml"))
+    with pytest.raises(cmod.ContenderError, match="unknown built-in"):
+        cmod.parse_contender("builtin:nope")
+    defs = [cmod.parse_contender("none"), cmod.parse_contender("recompute")]
+    cmod.unique_labels(defs)
     assert [d.label for d in defs] == ["recompute", "recompute-2"]
 
 
 def test_resolve_fills_store_dirs(tmp_path: Path) -> None:
     for name in ("disk", "multiconnector", "kvcompose-first"):
-        chain = chainmod.builtin_chain(name)
-        res = chainmod.resolve(chain, tmp_path / "run" / name, disk_root=tmp_path / "d",
-                               tmpfs_root=tmp_path / "t")
+        contender = cmod.builtin_contender(name)
+        res = cmod.resolve(
+            contender, tmp_path / "run" / name, disk_root=tmp_path / "d", tmpfs_root=tmp_path / "t"
+        )
         text = json.dumps(res.kv_transfer_config)
         assert "{store:" not in text and "{tmpfs:" not in text
         assert res.stores["disk"] == str(tmp_path / "d" / name / "disk")
@@ -161,69 +176,161 @@ def test_resolve_fills_store_dirs(tmp_path: Path) -> None:
             assert stores == {"fast", "disk"}
             fast = next(leaf for leaf in res.store_leaves if leaf.store == "fast")
             prep = fast.prep_config("/x")
-            # the fast tier is read-only in the chain, but its preparation writes it
+            # the fast tier is read-only in the contender, but its preparation writes it
             assert prep["kv_connector_extra_config"] == {"path": "/x"}
-    first = chainmod.resolve(chainmod.builtin_chain("kvcompose-first"), tmp_path / "a",
-                             disk_root=tmp_path / "d", tmpfs_root=tmp_path / "t")
-    multi = chainmod.resolve(chainmod.builtin_chain("multiconnector"), tmp_path / "b",
-                             disk_root=tmp_path / "d", tmpfs_root=tmp_path / "t")
-    # Chains that store the same way share one prepared copy of each store.
-    assert ({(leaf.store, leaf.variant()) for leaf in first.store_leaves}
-            == {(leaf.store, leaf.variant()) for leaf in multi.store_leaves})
+    first = cmod.resolve(
+        cmod.builtin_contender("kvcompose-first"),
+        tmp_path / "a",
+        disk_root=tmp_path / "d",
+        tmpfs_root=tmp_path / "t",
+    )
+    multi = cmod.resolve(
+        cmod.builtin_contender("multiconnector"),
+        tmp_path / "b",
+        disk_root=tmp_path / "d",
+        tmpfs_root=tmp_path / "t",
+    )
+    # Contenders that store the same way share one prepared copy of each store.
+    assert {(leaf.store, leaf.variant()) for leaf in first.store_leaves} == {
+        (leaf.store, leaf.variant()) for leaf in multi.store_leaves
+    }
     assert first.kv_transfer_config["kv_connector"] == "KVCompose"
     assert multi.kv_transfer_config["kv_connector"] == "MultiConnector"
 
 
 def test_resolve_reports_bad_kvcompose_config(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text("version: 1\nkv_role: kv_both\ntree:\n  chain:\n    policy: sideways\n"
-                   "    children: []\n")
-    chain = chainmod.parse_chain(str(bad))
-    with pytest.raises(chainmod.ChainError, match="bad"):
-        chainmod.resolve(chain, tmp_path / "run", disk_root=tmp_path, tmpfs_root=tmp_path)
+    bad.write_text(
+        "version: 1\nkv_role: kv_both\ntree:\n  chain:\n    policy: sideways\n    children: []\n"
+    )
+    contender = cmod.parse_contender(str(bad))
+    with pytest.raises(cmod.ContenderError, match="bad"):
+        cmod.resolve(contender, tmp_path / "run", disk_root=tmp_path, tmpfs_root=tmp_path)
 
 
 # --------------------------------------------------------------------------- metrics
 
 
 def test_percentiles_and_agreement() -> None:
+    from kvcompose.bench.results import RequestRecord
+
     assert metrics.percentile([], 50) is None
     assert metrics.percentile([3.0], 99) == 3.0
     assert metrics.percentile([1, 2, 3, 4], 50) == 2.5
     assert metrics.percentile(list(range(101)), 90) == pytest.approx(90.0)
-    rec = {"id": "a", "arrival_s": 1.0, "first_token_s": 1.5, "finish_s": 2.5,
-           "output_token_ids": [1, 2, 3], "prompt_tokens": 10}
-    lat = metrics.request_latencies(rec)
-    assert lat == {"ttft_s": 0.5, "tpot_s": 0.5, "e2e_s": 1.5}
-    ref = [{"id": "a", "output_token_ids": [1, 2, 3]}, {"id": "b", "output_token_ids": [4]}]
-    got = [{"id": "a", "output_token_ids": [1, 2, 3]}, {"id": "b", "output_token_ids": [5]}]
-    agree = metrics.agreement(got, ref)
-    assert agree["percent"] == 50.0 and agree["mismatched"] == ["b"]
+    assert metrics.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    rec = RequestRecord(
+        id="a",
+        arrival_s=1.0,
+        added_s=1.0,
+        first_token_s=1.5,
+        finish_s=2.5,
+        output_token_ids=[1, 2, 3],
+        prompt_tokens=10,
+    )
+    assert metrics.request_latencies(rec) == (0.5, 0.5, 1.5)
+
+    def out(rid: str, ids: list[int]) -> RequestRecord:
+        return RequestRecord(id=rid, arrival_s=0, added_s=0, prompt_tokens=1, output_token_ids=ids)
+
+    ref = [out("a", [1, 2, 3]), out("b", [4])]
+    got = [out("a", [1, 2, 3]), out("b", [5])]
+    agree = metrics.agreement(got, ref, "recompute")
+    assert agree.percent == 50.0 and agree.mismatched == ["b"]
+    assert agree.reference == "recompute"
     thr = metrics.throughput([rec])
-    assert thr["requests_per_s"] == pytest.approx(1 / 1.5, rel=1e-3)
+    assert thr.requests_per_s == pytest.approx(1 / 1.5, rel=1e-3)
 
 
-def test_report_rows_and_tables() -> None:
-    from kvcompose.bench import report
+def _results(tmp_path: Path):
+    from kvcompose.bench.results import (
+        Agreement,
+        BenchResults,
+        ContenderResult,
+        HitSummary,
+        LatencySummary,
+        Meta,
+        RequestRow,
+        Throughput,
+    )
 
-    results = {
-        "meta": {"workload": {"name": "chat", "requests": 1}},
-        "chains": [
-            {"label": "recompute", "status": "ok", "kind": "none",
-             "latency": {"ttft_p50_s": 1.0, "requests": 1, "finished": 1},
-             "throughput": {"requests_per_s": 1.0}, "hits": {"stores": {}, "nodes": {},
-                                                             "tokens_loaded": 0,
-                                                             "bytes_written": 0},
-             "agreement": {"percent": 100.0}, "requests": [{"id": "a", "ttft_s": 1.0}]},
-            {"label": "broken", "status": "failed", "error": "boom"},
+    return BenchResults(
+        meta=Meta(
+            started="now",
+            python="3.11",
+            workload={"name": "chat", "requests": 1},
+            out_dir=str(tmp_path),
+        ),
+        contenders=[
+            ContenderResult(
+                label="recompute",
+                source="none",
+                kind="none",
+                status="ok",
+                latency=LatencySummary(ttft_p50_s=1.0, requests=1, finished=1),
+                throughput=Throughput(requests_per_s=1.0),
+                hits=HitSummary(),
+                agreement=Agreement(percent=100.0),
+                requests=[
+                    RequestRow(
+                        id="a",
+                        seed=0,
+                        prompt_tokens=3,
+                        cached_tokens=0,
+                        output_tokens=2,
+                        ttft_s=1.0,
+                        tpot_s=None,
+                        e2e_s=1.2,
+                        arrival_s=0.0,
+                    )
+                ],
+            ),
+            ContenderResult(
+                label="broken", source="x.json", kind="vllm", status="failed", error="boom"
+            ),
         ],
-        "goals": {"failed_chains": ["broken"]},
-    }
-    rows = report.chain_rows(results)
-    assert rows[0]["chain"] == "recompute" and rows[1]["error"] == "boom"
-    assert "requests" not in report.slim(results)["chains"][0]
+    )
+
+
+def test_report_rows_tables_and_files(tmp_path: Path) -> None:
+    import csv
+
+    from kvcompose.bench import report
+    from kvcompose.bench.results import BenchResults
+
+    results = _results(tmp_path)
+    rows = report.contender_rows(results)
+    assert rows[0]["contender"] == "recompute" and rows[1]["error"] == "boom"
     assert len(report.tables(results)) == 2
-    assert report.goals_lines(results) == ["failed chains: broken"]
+    report.write_all(results, tmp_path, plots=False)
+    back = BenchResults.model_validate_json((tmp_path / "results.json").read_text())
+    assert [c.label for c in back.contenders] == ["recompute", "broken"]
+    assert (
+        "requests" not in json.loads((tmp_path / "results.json").read_text())["contenders"][0]
+    )  # per-request rows go to requests.csv
+    with open(tmp_path / "requests.csv", newline="") as fh:
+        req = list(csv.DictReader(fh))
+    assert [(r["contender"], r["id"], r["ttft_s"]) for r in req] == [("recompute", "a", "1.0")]
+    again = report.read_results(tmp_path)  # results.json + requests.csv
+    assert again.contender("recompute").requests == results.contender("recompute").requests
+    with open(tmp_path / "results.csv", newline="") as fh:
+        assert [r["contender"] for r in csv.DictReader(fh)] == ["recompute", "broken"]
+
+
+def test_goals_of_the_default_comparison(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_goals", Path(__file__).resolve().parents[2] / "benchmarks" / "goals.py"
+    )
+    assert spec is not None and spec.loader is not None
+    goals = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(goals)
+    results = _results(tmp_path)
+    measured = goals.goals(results)
+    assert measured["failed_contenders"] == ["broken"]
+    assert measured["output_agreement_percent"]["met"] is True
+    assert goals.lines(measured)[-1] == "failed contenders: broken"
 
 
 # --------------------------------------------------------------------------- CLI
@@ -237,16 +344,179 @@ def test_cli_options() -> None:
     parser = argparse.ArgumentParser()
     bench_cmd.add_arguments(parser)
     opts = bench_cmd.options_from_args(parser.parse_args([]))
-    assert opts.model == "builtin" and opts.chains == [] and opts.workload == "chat"
-    assert not opts.engine.enable_prefix_caching
-    quick = bench_cmd.options_from_args(parser.parse_args(
-        ["--quick", "-c", "none", "-c", "builtin:disk", "--seeds", "1,2", "--prefix-caching"]))
+    assert opts.model == "builtin" and opts.contenders == [] and opts.workload == "chat"
+    assert not opts.engine.enable_prefix_caching and opts.seeds == [0]
+    assert (opts.chat.users, opts.engine.max_model_len, opts.contender_timeout_s) == (
+        8,
+        4096,
+        1800.0,
+    )
+    assert opts.prefill and opts.plots and opts.progress and not opts.keep_stores
+    assert opts.repeats == 3
+    quick = bench_cmd.options_from_args(
+        parser.parse_args(
+            [
+                "--quick",
+                "-c",
+                "none",
+                "--chain",
+                "builtin:disk",
+                "--seeds",
+                "1,2",
+                "--prefix-caching",
+            ]
+        )
+    )
     assert quick.model == "tiny" and quick.seeds == [1, 2] and quick.chat.users == 3
+    assert quick.contenders == ["none", "builtin:disk"]
     assert quick.engine.enable_prefix_caching
+    assert quick.repeats == 1
+    flags = bench_cmd.options_from_args(
+        parser.parse_args(
+            [
+                "--users",
+                "5",
+                "--interval",
+                "0.5",
+                "--no-prefill",
+                "--no-plots",
+                "--no-progress",
+                "--chain-timeout",
+                "60",
+                "--out",
+                "x",
+                "--mooncake-warm",
+                "3",
+                "--warmup",
+                "0",
+                "--store-dir",
+                "s",
+                "--max-tokens",
+                "7",
+                "--block-size",
+                "16",
+            ]
+        )
+    )
+    assert (flags.chat.users, flags.chat.interval_s, flags.noreuse.interval_s) == (5, 0.5, 0.5)
+    assert not (flags.prefill or flags.plots or flags.progress)
+    assert (flags.contender_timeout_s, flags.out_dir, flags.mooncake.warm) == (60.0, "x", 3)
+    assert (flags.warmup_requests, flags.store_root, flags.max_tokens) == (0, "s", 7)
+    assert flags.engine.block_size == 16
+
+
+def test_overhead_flags() -> None:
+    import argparse
+
+    from kvcompose.bench.flags import build
+    from kvcompose.bench.overhead import OverheadOptions
+    from kvcompose.cli import bench_cmd
+
+    parser = argparse.ArgumentParser()
+    bench_cmd.add_arguments(parser)
+    assert build(OverheadOptions, parser.parse_args([])) == OverheadOptions()
+    opts = build(
+        OverheadOptions,
+        parser.parse_args(["--overhead-requests", "16,32", "--overhead-repeats", "2"]),
+    )
+    assert opts.requests == [16, 32] and opts.repeats == 2
 
 
 def test_bench_is_a_kvcompose_subcommand() -> None:
     from kvcompose.cli.main import build_parser
 
-    args = build_parser().parse_args(["bench", "--list-chains"])
-    assert args.list_chains and callable(args.func)
+    for flag in ("--list-contenders", "--list-chains"):
+        args = build_parser().parse_args(["bench", flag])
+        assert args.list_contenders and callable(args.func)
+
+
+# --------------------------------------------------------------------------- rounds
+
+
+def _run(label: str, seed: int, rnd: int, ttfts: list[float]):
+    from kvcompose.bench.results import RequestRecord, RunResult
+
+    reqs = [
+        RequestRecord(
+            id=f"r{i}",
+            arrival_s=float(i),
+            added_s=float(i),
+            first_token_s=i + t,
+            finish_s=i + t + 0.1,
+            prompt_tokens=8,
+            output_token_ids=[1, 2],
+        )
+        for i, t in enumerate(ttfts)
+    ]
+    return RunResult(ok=True, label=label, seed=seed, round=rnd, requests=reqs)
+
+
+def test_round_order_rotates() -> None:
+    from kvcompose.bench.run import round_order
+
+    assert [round_order(list("ABC"), r) for r in range(4)] == [
+        list("ABC"),
+        list("BCA"),
+        list("CAB"),
+        list("ABC"),
+    ]
+    assert round_order([], 1) == []
+
+
+def test_ratios_are_taken_within_rounds_and_overlaps_reported() -> None:
+    from kvcompose.bench.summary import Contender, summarise
+
+    # TTFT p50 per round: recompute 1.0 / 1.2 / 0.9 s (a slow spell in round 2).
+    p50 = {
+        "recompute": [1.0, 1.2, 0.9],
+        "disk": [0.2, 0.2, 0.15],
+        "longest": [0.19, 0.25, 0.15],
+        "first": [0.5, 0.6, 0.45],
+    }
+    contenders = []
+    for label, per_round in p50.items():
+        c = Contender(
+            definition=cmod.parse_contender(
+                "none" if label == "recompute" else f"{label}=builtin:disk"
+            )
+        )
+        # three requests per run: the p50 is the middle one
+        c.runs = [_run(label, 0, r, [t / 2, t, t * 2]) for r, t in enumerate(per_round)]
+        contenders.append(c)
+    out = {e.label: e for e in summarise(contenders, several_runs=True)}
+    assert out["disk"].speedup_rounds == [5.0, 6.0, 6.0]
+    assert out["disk"].ttft_p50_speedup == 6.0
+    assert (out["disk"].speedup_low, out["disk"].speedup_high) == (5.0, 6.0)
+    assert out["longest"].speedup_rounds == [5.263, 4.8, 6.0]
+    assert out["first"].speedup_rounds == [2.0, 2.0, 2.0]
+    assert out["recompute"].ttft_p50_speedup == 1.0
+    assert out["longest"].ttft_p50_rounds == [0.19, 0.25, 0.15]
+    # TTFT p50 ranges: disk 0.15-0.2 and longest 0.15-0.25 overlap (the same work): within
+    # noise of each other; first (0.45-0.6) and recompute (0.9-1.2) are not.
+    assert out["disk"].within_noise_of == ["longest"]
+    assert out["longest"].within_noise_of == ["disk"]
+    assert out["first"].within_noise_of == []
+    assert out["recompute"].within_noise_of == []
+    # request ids are per seed and round, the agreement compares same-round runs
+    assert out["disk"].agreement.compared == 9 and out["disk"].agreement.percent == 100.0
+    # one round: no spread, no claim about noise
+    single = summarise(
+        [Contender(definition=c.definition, runs=c.runs[:1]) for c in contenders],
+        several_runs=False,
+    )
+    assert all(e.within_noise_of is None for e in single)
+    assert single[1].ttft_p50_speedup == 5.0
+
+
+def test_hits_are_per_replay() -> None:
+    from kvcompose.bench import metrics
+    from kvcompose.bench.results import ConnectorSnapshot
+
+    runs = []
+    for seed, rnd in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        run = _run("x", seed, rnd, [0.1])
+        run.connector = ConnectorSnapshot(stores={"disk": {"tokens_loaded": 100 + seed * 10}})
+        runs.append(run)
+    hits = metrics.per_replay_hits(runs)
+    assert hits.stores["disk"].tokens_loaded == 210  # 100 (seed 0) + 110 (seed 1)
+    assert hits.tokens_loaded == 210

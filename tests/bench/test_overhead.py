@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
 def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
     from kvcompose.bench.overhead import OverheadOptions, run_overhead, table
 
-    result = run_overhead(OverheadOptions(requests=[16], children=[2], steps=2, repeats=1,
-                                          model_dir=str(tiny_model)))
-    entry = result["by_requests"]["16"]
+    result = run_overhead(
+        OverheadOptions(requests=[16], children=[2], steps=2, repeats=1, model_dir=str(tiny_model))
+    )
+    entry = json.loads(result.model_dump_json())["by_requests"]["16"]  # overhead.json's form
     assert set(entry["configs"]) == {"none", "direct", "multiconnector-2", "kvcompose-2"}
     calls = {name: row["connector_calls"] for name, row in entry["configs"].items()}
     assert calls["none"] == 0
@@ -18,10 +20,16 @@ def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
     assert calls["direct"] == calls["multiconnector-2"] == calls["kvcompose-2"] > 0
     for name in ("direct", "multiconnector-2", "kvcompose-2"):
         by_method = entry["configs"][name]["in_connector_us_per_request_by_method"]
-        assert {"get_num_new_matched_tokens", "update_state_after_alloc",
-                "request_finished", "build_connector_meta"} <= set(by_method)
-    assert set(entry["ratios"]["2_children"]) >= {"kvcompose_over_multiconnector",
-                                                  "kvcompose_over_direct"}
+        assert {
+            "get_num_new_matched_tokens",
+            "update_state_after_alloc",
+            "request_finished",
+            "build_connector_meta",
+        } <= set(by_method)
+    assert set(entry["ratios"]["2_children"]) >= {
+        "kvcompose_over_multiconnector",
+        "kvcompose_over_direct",
+    }
     assert table(result).row_count == 5
 
 
@@ -32,3 +40,13 @@ def test_noop_connector_is_a_complete_connector() -> None:
 
     assert issubclass(NoopConnector, KVConnectorBase_V1)
     assert not getattr(NoopConnector, "__abstractmethods__", set())
+
+
+def test_committed_overhead_results_read_back() -> None:
+    """``overhead.json`` keeps its form: the committed results validate as ``OverheadResult``."""
+    from kvcompose.bench.results import OverheadResult
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks/results/overhead/overhead.json"
+    result = OverheadResult.model_validate_json(path.read_text())
+    assert set(result.by_requests) == {"1000", "4000"}
+    assert result.by_requests["1000"].ratios["2_children"].kvcompose_over_multiconnector

