@@ -112,7 +112,7 @@ class ResolvedContender:
     store_kinds: dict[str, str] = field(default_factory=dict)  # NAME -> "store" | "tmpfs"
     store_leaves: list[StoreLeaf] = field(default_factory=list)
     connector: str = "none"  # what vLLM loads, for reports
-    tree: Any = None  # the kvcompose spec, for kvcompose contenders
+    tree: Any = None  # the kvcompose tree, for kvcompose contenders
 
 
 # --------------------------------------------------------------------------- built-ins
@@ -343,7 +343,7 @@ def resolve(
         connector = str(ktc.get("kv_connector"))
         tree = None
     else:
-        from kvcompose import spec as specs
+        from kvcompose import tree as nodes
         from kvcompose.config import ConfigError, load_config
         from kvcompose.config.render import vllm_args
 
@@ -355,7 +355,7 @@ def resolve(
         tree = config.tree
         leaves = [
             (leaf.connector, leaf.module_path, dict(leaf.extra_config))
-            for leaf in specs.leaves(config.tree)
+            for leaf in nodes.leaves(config.tree)
         ]
         connector = str(ktc.get("kv_connector"))
     store_leaves = []

@@ -252,7 +252,7 @@ def _console(stderr: bool = False) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvcompose.bench`` (the same as ``kvcompose bench``)."""
+    """``kvcompose bench`` (also ``python -m kvcompose.cli bench``)."""
     parser = argparse.ArgumentParser(
         prog="kvcompose bench", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcompose.engine.probe import scheduler
 from kvcompose.testing.engine import make_llm, sampling_params
 
 #: The CPU attention backend needs block sizes that are multiples of 32 (16 is rejected;
@@ -85,11 +86,6 @@ def _worker_total_stats(worker: Any) -> dict[str, Any]:
 def worker_stats(llm: Any) -> dict[str, Any]:
     """Cumulative PrefixStoreConnector counters of the (single) worker."""
     return llm.collective_rpc(_worker_total_stats)[0]
-
-
-def scheduler(llm: Any) -> Any:
-    """The scheduler of a single-process engine."""
-    return llm.llm_engine.engine_core.engine_core.scheduler
 
 
 def statuses(llm: Any) -> dict[str, str]:
