@@ -34,8 +34,11 @@ def register() -> None:
     for name, module, cls in CONNECTORS:
         if name in registry:
             if getattr(registry[name], "_kvcompose", False) is False:
-                logger.warning("kvcompose: connector name %r is already registered by "
-                               "another package; not overriding it", name)
+                logger.warning(
+                    "kvcompose: connector name %r is already registered by "
+                    "another package; not overriding it",
+                    name,
+                )
             continue
         try:
             KVConnectorFactory.register_connector(name, module, cls)

@@ -21,8 +21,14 @@ import yaml
 from kvcompose.config import load_config, tree_from_extra_config
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = sorted([ROOT / "README.md", ROOT / "benchmarks" / "README.md",
-                *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").rglob("*.md")])
+PAGES = sorted(
+    [
+        ROOT / "README.md",
+        ROOT / "benchmarks" / "README.md",
+        *(ROOT / "docs").glob("*.md"),
+        *(ROOT / "examples").rglob("*.md"),
+    ]
+)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 COMPOSITES = {"KVCompose", "KVComposeHMA", "MultiConnector"}
 
@@ -40,7 +46,8 @@ def blocks(lang: set[str]) -> list[tuple[str, str]]:
 
 def is_config(data: Any) -> bool:
     return isinstance(data, dict) and (
-        "tree" in data or "connectors" in data or data.get("kv_connector") in COMPOSITES)
+        "tree" in data or "connectors" in data or data.get("kv_connector") in COMPOSITES
+    )
 
 
 def parse(body: str) -> Any:
@@ -52,8 +59,9 @@ def parse(body: str) -> Any:
 
 
 CONFIGS = [(where, body) for where, body in blocks({"yaml", "json"}) if "..." not in body]
-TREE_SNIPPETS = [(where, body) for where, body in blocks({"python"})
-                 if "from kvcompose.tree import" in body]
+TREE_SNIPPETS = [
+    (where, body) for where, body in blocks({"python"}) if "from kvcompose.tree import" in body
+]
 
 
 def test_the_docs_show_configs() -> None:
@@ -77,5 +85,6 @@ def test_python_tree_snippet_runs(where: str, body: str) -> None:
     exec(compile(body, where, "exec"), scope)
     transfer = scope.get("kv_transfer_config")
     if transfer is not None:
-        assert tree_from_extra_config(transfer["kv_connector_extra_config"], env={},
-                                      check_vllm=False).name
+        assert tree_from_extra_config(
+            transfer["kv_connector_extra_config"], env={}, check_vllm=False
+        ).name

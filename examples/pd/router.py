@@ -30,8 +30,9 @@ from typing import Any
 
 
 def post(url: str, body: dict[str, Any], timeout: float) -> Any:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     return urllib.request.urlopen(req, timeout=timeout)
 
 
@@ -42,8 +43,14 @@ def model_name(base: str, timeout: float) -> str:
 
 def prefill(base: str, model: str, prompt: str, timeout: float) -> dict[str, Any]:
     """Run the prompt on P; return the kv_transfer_params P hands to D."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-            "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     with post(f"{base}/v1/completions", body, timeout) as resp:
         out = json.load(resp)
     params = out.get("kv_transfer_params")
@@ -52,17 +59,24 @@ def prefill(base: str, model: str, prompt: str, timeout: float) -> dict[str, Any
     return params
 
 
-def decode(base: str, model: str, prompt: str, params: dict[str, Any], max_tokens: int,
-           timeout: float) -> Iterator[str]:
+def decode(
+    base: str, model: str, prompt: str, params: dict[str, Any], max_tokens: int, timeout: float
+) -> Iterator[str]:
     """Run the prompt on D with P's kv_transfer_params; yield text as D streams it."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "kv_transfer_params": params}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "kv_transfer_params": params,
+    }
     with post(f"{base}/v1/completions", body, timeout) as resp:
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data:"):
                 continue
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 return
             for choice in json.loads(data).get("choices", ()):
@@ -70,8 +84,15 @@ def decode(base: str, model: str, prompt: str, params: dict[str, Any], max_token
                     yield choice["text"]
 
 
-def route(prompt: str, *, prefill_url: str, decode_url: str, max_tokens: int,
-          show_params: bool = False, timeout: float = 300.0) -> str:
+def route(
+    prompt: str,
+    *,
+    prefill_url: str,
+    decode_url: str,
+    max_tokens: int,
+    show_params: bool = False,
+    timeout: float = 300.0,
+) -> str:
     model = model_name(decode_url, timeout)
     t0 = time.monotonic()
     params = prefill(prefill_url, model, prompt, timeout)
@@ -83,27 +104,40 @@ def route(prompt: str, *, prefill_url: str, decode_url: str, max_tokens: int,
         text.append(piece)
         print(piece, end="", flush=True)
     print()
-    print(f"[router] prefill {1000 * (t1 - t0):.0f} ms, decode "
-          f"{1000 * (time.monotonic() - t1):.0f} ms", file=sys.stderr)
+    print(
+        f"[router] prefill {1000 * (t1 - t0):.0f} ms, decode "
+        f"{1000 * (time.monotonic() - t1):.0f} ms",
+        file=sys.stderr,
+    )
     return "".join(text)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("prompt", nargs="?", help="the prompt text (default: --words N words)")
-    ap.add_argument("--words", type=int, default=300,
-                    help="generate a prompt of N words of the tiny test model's vocabulary")
+    ap.add_argument(
+        "--words",
+        type=int,
+        default=300,
+        help="generate a prompt of N words of the tiny test model's vocabulary",
+    )
     ap.add_argument("--prefill", default="http://127.0.0.1:8100", help="prefill server URL")
     ap.add_argument("--decode", default="http://127.0.0.1:8200", help="decode server URL")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=1, help="send the same prompt N times")
     ap.add_argument("--show-params", action="store_true", help="print the hand-off")
     args = ap.parse_args()
-    prompt = args.prompt or " ".join(f"w{(31 * i + (i * i) % 17) % 1000}"
-                                     for i in range(args.words))
+    prompt = args.prompt or " ".join(
+        f"w{(31 * i + (i * i) % 17) % 1000}" for i in range(args.words)
+    )
     for _ in range(args.repeat):
-        route(prompt, prefill_url=args.prefill, decode_url=args.decode,
-              max_tokens=args.max_tokens, show_params=args.show_params)
+        route(
+            prompt,
+            prefill_url=args.prefill,
+            decode_url=args.decode,
+            max_tokens=args.max_tokens,
+            show_params=args.show_params,
+        )
     return 0
 
 

@@ -26,24 +26,37 @@ def add_load_flags(parser: argparse.ArgumentParser, *, vllm_by_default: bool = T
     fraction of a second, where importing vLLM takes seconds).
     """
     if vllm_by_default:
-        parser.add_argument("--offline", action="store_true",
-                            help="skip the checks that import vLLM (connector names, modules, "
-                                 "HMA)")
+        parser.add_argument(
+            "--offline",
+            action="store_true",
+            help="skip the checks that import vLLM (connector names, modules, HMA)",
+        )
         parser.set_defaults(check_vllm=None)
     else:
-        parser.add_argument("--check-vllm", action="store_true",
-                            help="also run the checks that import vLLM (connector names, "
-                                 "modules and classes, HMA, KVTransferConfig fields); takes "
-                                 "seconds")
-        parser.add_argument("--offline", action="store_true",
-                            help="skip the vLLM checks (the default here; overrides "
-                                 "--check-vllm)")
-    parser.add_argument("--no-env", action="store_true",
-                        help="ignore KVCOMPOSE_* environment overrides")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="NODE.KEY=VALUE",
-                        help="override a setting (like KVCOMPOSE_SET; a key without a dot "
-                             "is a top-level field); repeatable")
+        parser.add_argument(
+            "--check-vllm",
+            action="store_true",
+            help="also run the checks that import vLLM (connector names, "
+            "modules and classes, HMA, KVTransferConfig fields); takes "
+            "seconds",
+        )
+        parser.add_argument(
+            "--offline",
+            action="store_true",
+            help="skip the vLLM checks (the default here; overrides --check-vllm)",
+        )
+    parser.add_argument(
+        "--no-env", action="store_true", help="ignore KVCOMPOSE_* environment overrides"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="NODE.KEY=VALUE",
+        help="override a setting (like KVCOMPOSE_SET; a key without a dot "
+        "is a top-level field); repeatable",
+    )
 
 
 def cli_overrides(args: argparse.Namespace) -> list[Override]:
@@ -72,8 +85,12 @@ def load(args: argparse.Namespace, path: str) -> Config:
         source: Any = read_stream(stream)
     else:
         source = path
-    return load_config(source, env={} if args.no_env else None,
-                       overrides=cli_overrides(args), check_vllm=check_vllm(args))
+    return load_config(
+        source,
+        env={} if args.no_env else None,
+        overrides=cli_overrides(args),
+        check_vllm=check_vllm(args),
+    )
 
 
 def console(stderr: bool = False) -> Any:

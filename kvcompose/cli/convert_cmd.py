@@ -15,18 +15,24 @@ from kvcompose.config.source import read_file
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "convert", help="MultiConnector JSON -> kvcompose YAML, and back for flat trees",
+        "convert",
+        help="MultiConnector JSON -> kvcompose YAML, and back for flat trees",
         description="Convert vLLM MultiConnector JSON (or a KVCompose --kv-transfer-config) "
-                    "to a kvcompose YAML document, or a flat kvcompose tree (a 'first' chain "
-                    "of leaves that all save) back to MultiConnector JSON. The direction "
-                    "follows the input unless --to says otherwise.")
+        "to a kvcompose YAML document, or a flat kvcompose tree (a 'first' chain "
+        "of leaves that all save) back to MultiConnector JSON. The direction "
+        "follows the input unless --to says otherwise.",
+    )
     parser.add_argument("file", metavar="FILE", help=FILE_HELP)
-    parser.add_argument("--to", choices=("yaml", "multiconnector"),
-                        help="output format (default: the other one)")
-    parser.add_argument("--compat", action="store_true",
-                        help="with --to multiconnector: load it as kvcompose.compat's "
-                             "MultiConnector (drop-in with kvcompose semantics) instead of "
-                             "vLLM's own")
+    parser.add_argument(
+        "--to", choices=("yaml", "multiconnector"), help="output format (default: the other one)"
+    )
+    parser.add_argument(
+        "--compat",
+        action="store_true",
+        help="with --to multiconnector: load it as kvcompose.compat's "
+        "MultiConnector (drop-in with kvcompose semantics) instead of "
+        "vLLM's own",
+    )
     parser.add_argument("-o", "--output", metavar="FILE", help="write to FILE, not stdout")
     add_load_flags(parser)
     parser.set_defaults(func=run)

@@ -18,10 +18,12 @@ from kvcompose.tree import Chain, Fanout, Leaf, Node, Route, RouteRule
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "explain", help="draw the tree: lookup order, policies, savers, what vLLM sees",
+        "explain",
+        help="draw the tree: lookup order, policies, savers, what vLLM sees",
         description="Draw a config's connector tree: which node looks up in what order and "
-                    "with which policy, which children save, and what vLLM will see (HMA, "
-                    "KV cache layout, piecewise CUDA graphs, kv_transfer_params).")
+        "with which policy, which children save, and what vLLM will see (HMA, "
+        "KV cache layout, piecewise CUDA graphs, kv_transfer_params).",
+    )
     parser.add_argument("file", metavar="FILE", help=FILE_HELP)
     add_load_flags(parser)
     parser.set_defaults(func=run)
@@ -38,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
 def explain(config: Config, title: str | None = None) -> list[Any]:
     """Renderables: a header line, the tree, what vLLM sees, warnings."""
     items: list[Any] = []
-    head = [f"[bold]{escape(title or config.label or 'config')}[/bold]",
-            f"version {config.version}"]
+    head = [
+        f"[bold]{escape(title or config.label or 'config')}[/bold]",
+        f"version {config.version}",
+    ]
     for key, value in config.transfer.items():
         head.append(f"{key}={escape(str(value))}")
     items.append("  ".join(head))
@@ -55,8 +59,9 @@ def explain(config: Config, title: str | None = None) -> list[Any]:
     return items
 
 
-def _tree(config: Config, node: Node, saves: dict[str, bool],
-          tag: str = "", tree: Tree | None = None) -> Tree:
+def _tree(
+    config: Config, node: Node, saves: dict[str, bool], tag: str = "", tree: Tree | None = None
+) -> Tree:
     label = f"{tag}{_label(config, node, saves)}"
     branch = Tree(label, guide_style="dim") if tree is None else tree.add(label)
     if isinstance(node, Leaf):
@@ -84,17 +89,25 @@ def _label(config: Config, node: Node, saves: dict[str, bool]) -> str:
     if not node.save:
         extras.append("[red]save: false[/red] (no leaf below saves)")
     if isinstance(node, Chain):
-        how = ("asks children in order; the first hit loads" if node.policy == "first" else
-               "asks every child; the longest hit loads (ties go to the earlier child)")
+        how = (
+            "asks children in order; the first hit loads"
+            if node.policy == "first"
+            else "asks every child; the longest hit loads (ties go to the earlier child)"
+        )
         text = f"[bold]{name}[/bold]  chain, policy {node.policy}: {how}; {timeout}"
     elif isinstance(node, Fanout):
-        loads = (f"lookups and loads go to {escape(node.load_from)!r}" if node.load_from
-                 else "never loads (write-only)")
+        loads = (
+            f"lookups and loads go to {escape(node.load_from)!r}"
+            if node.load_from
+            else "never loads (write-only)"
+        )
         text = f"[bold]{name}[/bold]  fanout: saves to every child; {loads}; {timeout}"
     else:
         assert isinstance(node, Route)
-        text = (f"[bold]{name}[/bold]  route: one child per request looks up and loads "
-                f"(first matching rule, else {escape(node.default)!r}); {timeout}")
+        text = (
+            f"[bold]{name}[/bold]  route: one child per request looks up and loads "
+            f"(first matching rule, else {escape(node.default)!r}); {timeout}"
+        )
     return text + "".join(f"  {e}" for e in extras)
 
 
@@ -104,12 +117,18 @@ def _child_tag(parent: Node, child: Node, index: int) -> str:
     if isinstance(parent, Fanout):
         return "[cyan]loads[/cyan] " if parent.load_from == child.name else ""
     if isinstance(parent, Route):
-        tags = [f"rule {i + 1}: {_rule_text(rule)}" for i, rule in enumerate(parent.rules)
-                if rule.child == child.name]
+        tags = [
+            f"rule {i + 1}: {_rule_text(rule)}"
+            for i, rule in enumerate(parent.rules)
+            if rule.child == child.name
+        ]
         if parent.default == child.name:
             tags.append("default")
-        return "".join(f"[cyan]{escape(t)}[/cyan] → " for t in tags) if tags else \
-            "[dim](no rule)[/dim] "
+        return (
+            "".join(f"[cyan]{escape(t)}[/cyan] → " for t in tags)
+            if tags
+            else "[dim](no rule)[/dim] "
+        )
     return ""
 
 
@@ -132,11 +151,11 @@ def _rule_text(rule: RouteRule) -> str:
 def _leaf_details(config: Config, leaf: Leaf) -> list[str]:
     lines = []
     if leaf.extra_config:
-        lines.append("extra_config: " + ", ".join(f"{k}={v!r}"
-                                                  for k, v in leaf.extra_config.items()))
+        lines.append(
+            "extra_config: " + ", ".join(f"{k}={v!r}" for k, v in leaf.extra_config.items())
+        )
     fields = leaf.transfer_fields()
-    own = {k: v for k, v in fields.items()
-           if k not in config.transfer or config.transfer[k] != v}
+    own = {k: v for k, v in fields.items() if k not in config.transfer or config.transfer[k] != v}
     inherited = [k for k in fields if k not in own]
     if own:
         lines.append("sets: " + ", ".join(f"{k}={v!r}" for k, v in own.items()))
@@ -146,8 +165,13 @@ def _leaf_details(config: Config, leaf: Leaf) -> list[str]:
     if facts is not None:
         hma = "HMA yes" if facts.supports_hma else "HMA no"
         scope = f" for {facts.layout_scope}" if facts.layout_scope else ""
-        layout = ("layout: model-dependent" if facts.layout == "" else
-                  f"layout {facts.layout}{scope}" if facts.layout else "no layout requirement")
+        layout = (
+            "layout: model-dependent"
+            if facts.layout == ""
+            else f"layout {facts.layout}{scope}"
+            if facts.layout
+            else "no layout requirement"
+        )
         piece = "needs piecewise CUDA graphs" if facts.piecewise else ""
         cls = f"class {facts.class_name}"
         lines.append(", ".join(x for x in (cls, hma, layout, piece) if x))
@@ -161,29 +185,42 @@ def vllm_view(config: Config) -> list[str]:
     if dropin:
         assert config.loaded_as is not None
         module = config.loaded_as[1]
-        lines.append("kv_connector: MultiConnector " + (
-            f"(kv_connector_module_path: {module}): vLLM's MultiConnector special cases "
-            "apply to the top-level children" if module else
-            "(vLLM's own: kvcompose does not run; `kvcompose vllm-args` prints the "
-            "KVCompose form, `kvcompose convert --to multiconnector --compat` the drop-in)"))
+        lines.append(
+            "kv_connector: MultiConnector "
+            + (
+                f"(kv_connector_module_path: {module}): vLLM's MultiConnector special cases "
+                "apply to the top-level children"
+                if module
+                else "(vLLM's own: kvcompose does not run; `kvcompose vllm-args` prints the "
+                "KVCompose form, `kvcompose convert --to multiconnector --compat` the drop-in)"
+            )
+        )
     else:
         cls = composite_class(config)
         lines.append(f"kv_connector: {cls} (kv_connector_module_path: {MODULE_PATH})")
     facts = config.facts
     leaves = [leaf for leaf, _ in effective_saves(config.tree)]
-    missing = ([f.name for f in facts.leaves.values() if not f.supports_hma]
-               if facts is not None else None)
+    missing = (
+        [f.name for f in facts.leaves.values() if not f.supports_hma] if facts is not None else None
+    )
     off = "vLLM turns the hybrid KV cache manager off"
     if dropin:
         if missing is None:
-            lines.append("HMA: vLLM enables it only if every child supports it (not checked "
-                         "without vLLM)")
+            lines.append(
+                "HMA: vLLM enables it only if every child supports it (not checked without vLLM)"
+            )
         else:
-            lines.append(f"HMA: off: not supported by {', '.join(missing)}; {off}" if missing
-                         else "HMA: on: every child supports the hybrid KV cache manager")
+            lines.append(
+                f"HMA: off: not supported by {', '.join(missing)}; {off}"
+                if missing
+                else "HMA: on: every child supports the hybrid KV cache manager"
+            )
     elif config.hma is True:
-        lines.append("HMA: required (hma: true); every leaf supports it" if missing is not None
-                     else "HMA: required (hma: true); not checked without vLLM")
+        lines.append(
+            "HMA: required (hma: true); every leaf supports it"
+            if missing is not None
+            else "HMA: required (hma: true); not checked without vLLM"
+        )
     elif config.hma is False:
         lines.append(f"HMA: off (hma: false): {off}")
     elif missing is None:
@@ -199,7 +236,7 @@ def vllm_view(config: Config) -> list[str]:
             shown = "; ".join(f"{k} ({', '.join(v)})" for k, v in layouts.items())
             lines.append(f"KV cache layout: CONFLICT: {shown}: vLLM will refuse to start")
         elif layouts:
-            (layout, names), = layouts.items()
+            ((layout, names),) = layouts.items()
             scopes = {facts.leaves[n].layout_scope for n in names} - {""}
             scope = f" for {', '.join(sorted(scopes))}" if scopes else ""
             lines.append(f"KV cache layout: {layout}{scope} (required by {', '.join(names)})")
@@ -208,32 +245,47 @@ def vllm_view(config: Config) -> list[str]:
         if model:
             lines.append(f"KV cache layout: decided with the model for {', '.join(model)}")
         piecewise = facts.piecewise
-        lines.append(f"CUDA graphs: piecewise required by {', '.join(piecewise)}: vLLM "
-                     "switches to PIECEWISE" if piecewise else
-                     "CUDA graphs: no piecewise requirement")
+        lines.append(
+            f"CUDA graphs: piecewise required by {', '.join(piecewise)}: vLLM switches to PIECEWISE"
+            if piecewise
+            else "CUDA graphs: no piecewise requirement"
+        )
     else:
-        lines.append("KV cache layout, CUDA graphs: not checked (vLLM is not installed, or "
-                     "--offline)")
-    producers = [_who(leaf) for leaf in leaves
-                 if leaf.module_path is None and leaf.connector in PARAMS_PRODUCERS]
-    lines.append("kv_transfer_params: produced by " + ", ".join(producers) if producers else
-                 "kv_transfer_params: no known producer")
+        lines.append(
+            "KV cache layout, CUDA graphs: not checked (vLLM is not installed, or --offline)"
+        )
+    producers = [
+        _who(leaf)
+        for leaf in leaves
+        if leaf.module_path is None and leaf.connector in PARAMS_PRODUCERS
+    ]
+    lines.append(
+        "kv_transfer_params: produced by " + ", ".join(producers)
+        if producers
+        else "kv_transfer_params: no known producer"
+    )
     policy = config.transfer.get("kv_load_failure_policy")
     if policy != "recompute" and len(leaves) > 1:
-        lines.append(f"kv_load_failure_policy: {policy or 'fail (vLLM default)'}: a failed "
-                     "load fails the request; 'recompute' lets vLLM recompute and retry")
+        lines.append(
+            f"kv_load_failure_policy: {policy or 'fail (vLLM default)'}: a failed "
+            "load fails the request; 'recompute' lets vLLM recompute and retry"
+        )
     elif policy:
         lines.append(f"kv_load_failure_policy: {policy}")
     top = {child.name for child in getattr(config.tree, "children", ())} if dropin else set()
-    named = [_who(leaf) for leaf in leaves if leaf.name not in top
-             and leaf.module_path is None and leaf.connector in NAME_CHECKED]
+    named = [
+        _who(leaf)
+        for leaf in leaves
+        if leaf.name not in top and leaf.module_path is None and leaf.connector in NAME_CHECKED
+    ]
     if named:
-        lines.append("note: vLLM's name-based checks for " + ", ".join(named) + " only look "
-                     "at the top-level connector (or one level into MultiConnector); they do "
-                     "not run for leaves of a KVCompose tree")
+        lines.append(
+            "note: vLLM's name-based checks for " + ", ".join(named) + " only look "
+            "at the top-level connector (or one level into MultiConnector); they do "
+            "not run for leaves of a KVCompose tree"
+        )
     return lines
 
 
 def _who(leaf: Leaf) -> str:
     return leaf.name if leaf.name == leaf.connector else f"{leaf.name} ({leaf.connector})"
-

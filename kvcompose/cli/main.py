@@ -11,8 +11,15 @@ import sys
 from collections.abc import Sequence
 
 #: Subcommand modules (``kvcompose.cli.<name>_cmd``), in help order.
-COMMANDS: tuple[str, ...] = ("validate", "explain", "vllm_args", "convert", "schema", "bench",
-                             "proxy")
+COMMANDS: tuple[str, ...] = (
+    "validate",
+    "explain",
+    "vllm_args",
+    "convert",
+    "schema",
+    "bench",
+    "proxy",
+)
 #: Commands whose module may be absent (another package or a later release adds them).
 OPTIONAL: frozenset[str] = frozenset({"bench"})
 
@@ -71,8 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # from code the command ran (a connector module, a plugin)
         if debug:
             raise
-        print(f"kvcompose: internal error: something called sys.exit({exc.code!r}) "
-              "(set KVCOMPOSE_DEBUG=1 for the traceback)", file=sys.stderr)
+        print(
+            f"kvcompose: internal error: something called sys.exit({exc.code!r}) "
+            "(set KVCOMPOSE_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
         return EXIT_INTERNAL
     except (ConfigError, CLIError) as exc:
         if debug:
@@ -89,8 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         text = (str(exc).splitlines() or [""])[0][:300]
-        print(f"kvcompose: internal error: {type(exc).__name__}: {text} "
-              "(set KVCOMPOSE_DEBUG=1 for the traceback)", file=sys.stderr)
+        print(
+            f"kvcompose: internal error: {type(exc).__name__}: {text} "
+            "(set KVCOMPOSE_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
         return EXIT_INTERNAL
 
 

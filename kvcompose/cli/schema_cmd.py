@@ -10,11 +10,16 @@ from kvcompose.config import json_schema
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "schema", help="print the JSON Schema of the config format",
+        "schema",
+        help="print the JSON Schema of the config format",
         description="Print the JSON Schema of kvcompose config documents (for editors and "
-                    "CI), or with --markdown the reference in docs/config.md.")
-    parser.add_argument("--markdown", action="store_true",
-                        help="print the Markdown reference (docs/config.md) instead")
+        "CI), or with --markdown the reference in docs/config.md.",
+    )
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the Markdown reference (docs/config.md) instead",
+    )
     parser.add_argument("-o", "--output", metavar="FILE", help="write to FILE, not stdout")
     parser.set_defaults(func=run)
 

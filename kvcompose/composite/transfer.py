@@ -18,8 +18,9 @@ NESTED_CONNECTOR_HMA = "KVComposeHMA"
 NESTED_MODULE = "kvcompose"
 
 
-def child_transfer_dict(parent: Any, node: nodes.Node, *, strict: bool, hma: bool
-                        ) -> dict[str, Any]:
+def child_transfer_dict(
+    parent: Any, node: nodes.Node, *, strict: bool, hma: bool
+) -> dict[str, Any]:
     """The ``KVTransferConfig`` fields for ``node`` as a child of ``parent`` (a
     ``KVTransferConfig`` or its dict)."""
     if isinstance(node, nodes.Leaf):

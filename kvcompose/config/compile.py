@@ -41,15 +41,28 @@ from kvcompose.tree import (
 Translate = Callable[[Path], Path]
 
 #: ``kv_transfer_params`` keys the P/D connectors vLLM ships put in a finished request.
-PD_PARAMS_KEYS = frozenset({
-    "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids",
-    "remote_host", "remote_port", "remote_request_id", "tp_size",
-})
+PD_PARAMS_KEYS = frozenset(
+    {
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_engine_id",
+        "remote_block_ids",
+        "remote_host",
+        "remote_port",
+        "remote_request_id",
+        "tp_size",
+    }
+)
 #: Registered connectors known to produce ``kv_transfer_params``.
 PARAMS_PRODUCERS: dict[str, frozenset[str]] = {
-    name: PD_PARAMS_KEYS for name in (
-        "NixlConnector", "NixlPullConnector", "NixlPushConnector", "MooncakeConnector",
-        "MoRIIOConnector")
+    name: PD_PARAMS_KEYS
+    for name in (
+        "NixlConnector",
+        "NixlPullConnector",
+        "NixlPushConnector",
+        "MooncakeConnector",
+        "MoRIIOConnector",
+    )
 }
 
 
@@ -87,11 +100,14 @@ class _Placed:
     children: list[_Placed] | None = None
 
 
-def compile_document(data: Mapping[str, Any], label: str | None,
-                     linemap: Mapping[Path, int] | None, translate: Translate) -> Compiled:
+def compile_document(
+    data: Mapping[str, Any],
+    label: str | None,
+    linemap: Mapping[Path, int] | None,
+    translate: Translate,
+) -> Compiled:
     def fail(items: list[ErrorItem]) -> ConfigError:
-        return ConfigError([located(linemap, translate(i.path), i.message) for i in items],
-                           label)
+        return ConfigError([located(linemap, translate(i.path), i.message) for i in items], label)
 
     try:
         doc = Document.model_validate(dict(data))
@@ -108,11 +124,19 @@ def compile_document(data: Mapping[str, Any], label: str | None,
 
     named = _rebuild(root, {})
     transfer = doc.transfer_fields()
-    nodes = {p.name: NodeInfo(p.name, p.node.kind, p.path,
-                              p.parent.name if p.parent else None, p.index) for p in placed}
-    return Compiled(tree=_rebuild(root, transfer), document=document_dict(doc, named),
-                    transfer=transfer, hma=None if doc.hma == "auto" else bool(doc.hma),
-                    version=doc.version, nodes=nodes, warnings=_warnings(named, placed))
+    nodes = {
+        p.name: NodeInfo(p.name, p.node.kind, p.path, p.parent.name if p.parent else None, p.index)
+        for p in placed
+    }
+    return Compiled(
+        tree=_rebuild(root, transfer),
+        document=document_dict(doc, named),
+        transfer=transfer,
+        hma=None if doc.hma == "auto" else bool(doc.hma),
+        version=doc.version,
+        nodes=nodes,
+        warnings=_warnings(named, placed),
+    )
 
 
 def check_tree(tree: Node) -> list[ErrorItem]:
@@ -125,8 +149,10 @@ def check_tree(tree: Node) -> list[ErrorItem]:
 def _place(node: Node, path: Path, parent: _Placed | None, index: int | None) -> _Placed:
     placed = _Placed(node, path, parent, index)
     if not isinstance(node, Leaf):
-        placed.children = [_place(child, (*path, "children", i, child.kind), placed, i)
-                           for i, child in enumerate(node.children)]
+        placed.children = [
+            _place(child, (*path, "children", i, child.kind), placed, i)
+            for i, child in enumerate(node.children)
+        ]
     return placed
 
 
@@ -161,8 +187,12 @@ def _assign_names(placed: list[_Placed]) -> list[ErrorItem]:
         if name is None:
             continue
         if name in taken:
-            problems.append(ErrorItem((*p.path, "name"), f"duplicate node name {name!r} "
-                                      f"(also used at {format_path(taken[name])})"))
+            problems.append(
+                ErrorItem(
+                    (*p.path, "name"),
+                    f"duplicate node name {name!r} (also used at {format_path(taken[name])})",
+                )
+            )
         else:
             taken[name] = (*p.path, "name")
         p.name = name
@@ -191,13 +221,24 @@ def _check_references(placed: list[_Placed]) -> list[ErrorItem]:
         kids = [c.name for c in p.children or ()]
         known = set(kids)
 
-        def ref(value: str, path: Path, what: str, kids: list[str] = kids,
-                known: set[str] = known, p: _Placed = p) -> None:
+        def ref(
+            value: str,
+            path: Path,
+            what: str,
+            kids: list[str] = kids,
+            known: set[str] = known,
+            p: _Placed = p,
+        ) -> None:
             if value not in known:
-                problems.append(ErrorItem(path, f"{what} {shown(value)} is not a child of "
-                                          f"{p.node.kind} {p.name!r}"
-                                          f"{did_you_mean(value, kids)} (children: "
-                                          f"{shown_list(kids)})"))
+                problems.append(
+                    ErrorItem(
+                        path,
+                        f"{what} {shown(value)} is not a child of "
+                        f"{p.node.kind} {p.name!r}"
+                        f"{did_you_mean(value, kids)} (children: "
+                        f"{shown_list(kids)})",
+                    )
+                )
 
         if isinstance(node, Route):
             ref(node.default, (*p.path, "default"), "default")
@@ -228,11 +269,16 @@ def _check_params(placed: list[_Placed]) -> list[ErrorItem]:
             _, other, other_keys = min(clashes, key=lambda c: c[0])
             common = sorted(keys & other_keys)
             listed = ", ".join(common[:4]) + (", ..." if len(common) > 4 else "")
-            return [ErrorItem(p.path, f"{p.name!r} ({p.node.connector}) and "
-                              f"{other.name!r} ({other.node.connector}) would both "  # type: ignore[union-attr]
-                              f"produce kv_transfer_params keys ({listed}): at most one "
-                              "leaf may produce each key (set 'params_keys: []' on a leaf "
-                              "that produces none)")]
+            return [
+                ErrorItem(
+                    p.path,
+                    f"{p.name!r} ({p.node.connector}) and "
+                    f"{other.name!r} ({other.node.connector}) would both "  # type: ignore[union-attr]
+                    f"produce kv_transfer_params keys ({listed}): at most one "
+                    "leaf may produce each key (set 'params_keys: []' on a leaf "
+                    "that produces none)",
+                )
+            ]
         for key in keys:
             owners[key] = (index, p, keys)
     return []

@@ -31,26 +31,42 @@ _TEMPLATE = Path(__file__).with_name("reference.md.tmpl")
 
 
 def render_markdown() -> str:
-    env_rows = [f"  - `{ENV_CONFIG_FILE}`: the config file when `kv_connector_extra_config` "
-                "names none;"]
+    env_rows = [
+        f"  - `{ENV_CONFIG_FILE}`: the config file when `kv_connector_extra_config` names none;"
+    ]
     env_rows += [f"  - `{ENV_PREFIX}{f.upper()}`: top-level `{f}`;" for f in ENV_FIELDS]
-    env_rows.append(f"  - `{ENV_SET}`: `node.key=value` assignments separated by `;` or "
-                    "newlines, e.g. `tiers.policy=first; disk.save=false`.")
+    env_rows.append(
+        f"  - `{ENV_SET}`: `node.key=value` assignments separated by `;` or "
+        "newlines, e.g. `tiers.policy=first; disk.save=false`."
+    )
     text = string.Template(_TEMPLATE.read_text(encoding="utf-8")).substitute(
         version=VERSION,
-        document=_table(Document), leaf=_table(Leaf), chain=_table(Chain),
-        fanout=_table(Fanout), route=_table(Route), rule=_table(RouteRule),
-        pattern=NAME_PATTERN, env="\n".join(env_rows), env_set=ENV_SET,
-        env_file=ENV_CONFIG_FILE, max_bytes=size_text(MAX_FILE_BYTES), max_depth=MAX_DEPTH,
-        max_alias=f"{MAX_ALIAS_NODES:,}", max_digits=MAX_INT_DIGITS,
+        document=_table(Document),
+        leaf=_table(Leaf),
+        chain=_table(Chain),
+        fanout=_table(Fanout),
+        route=_table(Route),
+        rule=_table(RouteRule),
+        pattern=NAME_PATTERN,
+        env="\n".join(env_rows),
+        env_set=ENV_SET,
+        env_file=ENV_CONFIG_FILE,
+        max_bytes=size_text(MAX_FILE_BYTES),
+        max_depth=MAX_DEPTH,
+        max_alias=f"{MAX_ALIAS_NODES:,}",
+        max_digits=MAX_INT_DIGITS,
         max_include=MAX_INCLUDE_DEPTH,
     )
     return text
 
 
 #: Fields whose type is a tree node, or a list of nodes or rules.
-_NODE_TYPES = {"tree": "node", "children": "list of nodes", "rules": "list of rules",
-               "hma": "`true` \\| `false` \\| `auto`"}
+_NODE_TYPES = {
+    "tree": "node",
+    "children": "list of nodes",
+    "rules": "list of rules",
+    "hma": "`true` \\| `false` \\| `auto`",
+}
 
 
 def _table(model: type[BaseModel]) -> str:

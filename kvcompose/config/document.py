@@ -44,10 +44,16 @@ def document_from_tree(tree: Node, transfer: dict[str, Any] | None = None) -> di
 
 def _without_inherited(node: Node, inherited: dict[str, Any]) -> Node:
     if isinstance(node, Leaf):
-        own = {k: v for k, v in node.transfer_config.items() if inherited.get(k, v) != v
-               or k not in inherited}
-        dropped = {key for key in TRANSFER_FIELDS
-                   if key in inherited and getattr(node, key) == inherited[key]}
+        own = {
+            k: v
+            for k, v in node.transfer_config.items()
+            if inherited.get(k, v) != v or k not in inherited
+        }
+        dropped = {
+            key
+            for key in TRANSFER_FIELDS
+            if key in inherited and getattr(node, key) == inherited[key]
+        }
         data = dump_node(node)
         for key in dropped:
             data.pop(key, None)

@@ -36,8 +36,7 @@ ENV_SET = "KVCOMPOSE_SET"
 #: Top-level document fields that have a ``KVCOMPOSE_<FIELD>`` variable.
 ENV_FIELDS: tuple[str, ...] = (*TRANSFER_FIELDS, "hma")
 #: Fields whose environment value is taken as a string, not parsed as YAML.
-_STRING_FIELDS = frozenset({"engine_id", "kv_buffer_device", "kv_role",
-                            "kv_load_failure_policy"})
+_STRING_FIELDS = frozenset({"engine_id", "kv_buffer_device", "kv_role", "kv_load_failure_policy"})
 
 
 @dataclass(frozen=True)
@@ -116,11 +115,15 @@ def apply_override(document: dict[str, Any], override: Override) -> dict[str, An
     name, *keys = override.key.split(".")
     bodies = dict(_node_bodies(doc.get("tree")))
     if name not in bodies:
-        raise ConfigError(f"{override.source}: no node named {shown(name)}"
-                          f"{did_you_mean(name, bodies)} (nodes: {shown_list(bodies)})")
+        raise ConfigError(
+            f"{override.source}: no node named {shown(name)}"
+            f"{did_you_mean(name, bodies)} (nodes: {shown_list(bodies)})"
+        )
     if keys[0] in ("children", "name"):
-        raise ConfigError(f"{override.source}: {keys[0]!r} cannot be overridden "
-                          "(overrides change settings, not the shape of the tree)")
+        raise ConfigError(
+            f"{override.source}: {keys[0]!r} cannot be overridden "
+            "(overrides change settings, not the shape of the tree)"
+        )
     target = bodies[name]
     for key in keys[:-1]:
         nxt = target.get(key)

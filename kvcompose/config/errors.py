@@ -10,8 +10,19 @@ from typing import Any
 from kvcompose.config.limits import MAX_LISTED, MAX_MESSAGE, MAX_SHOWN
 from kvcompose.tree import describe
 
-__all__ = ["ConfigError", "ErrorItem", "LineMap", "Path", "describe", "did_you_mean",
-           "format_path", "line_for", "located", "shown", "shown_list"]
+__all__ = [
+    "ConfigError",
+    "ErrorItem",
+    "LineMap",
+    "Path",
+    "describe",
+    "did_you_mean",
+    "format_path",
+    "line_for",
+    "located",
+    "shown",
+    "shown_list",
+]
 
 Path = tuple[str | int, ...]
 
@@ -123,14 +134,16 @@ class ConfigError(ValueError):
     def with_lines(self, linemap: Mapping[Path, int] | None) -> ConfigError:
         if not linemap:
             return self
-        return ConfigError([ErrorItem(i.path, i.message, i.line or line_for(linemap, i.path))
-                            for i in self.items], self.label)
+        return ConfigError(
+            [ErrorItem(i.path, i.message, i.line or line_for(linemap, i.path)) for i in self.items],
+            self.label,
+        )
 
 
 def _one_line(text: str) -> str:
     text = " ".join(text.split("\n"))
     if len(text) > MAX_MESSAGE:
-        text = text[:MAX_MESSAGE - 20] + " ... (shortened)"
+        text = text[: MAX_MESSAGE - 20] + " ... (shortened)"
     return text
 
 
@@ -139,8 +152,10 @@ def located(linemap: Mapping[Path, int] | None, path: Path, message: str) -> Err
     unquoted scalar there as a boolean or a number that looks like something else."""
     text = getattr(linemap, "hints", {}).get(tuple(path))
     if text is not None:
-        message += (f" (YAML reads the unquoted {text} as a {_yaml_kind(text)}: "
-                    f"quote it, \"{text}\", if you meant the text)")
+        message += (
+            f" (YAML reads the unquoted {text} as a {_yaml_kind(text)}: "
+            f'quote it, "{text}", if you meant the text)'
+        )
     return ErrorItem(tuple(path), message, line_for(linemap, path))
 
 

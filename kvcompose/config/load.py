@@ -54,9 +54,14 @@ EXTRA_CONFIG = "kv_connector_extra_config"
 #: Leaves whose connector is a kvcompose composite, with a tree of its own in
 #: ``extra_config``: (connector, module_path).
 NESTED_COMPOSITES = frozenset(
-    {(name, module) for name in COMPOSITE_NAMES
-     for module in (None, "kvcompose", "kvcompose.connector")}
-    | {("MultiConnector", "kvcompose.compat")})
+    {
+        (name, module)
+        for name in COMPOSITE_NAMES
+        for module in (None, "kvcompose", "kvcompose.connector")
+    }
+    | {("MultiConnector", "kvcompose.compat")}
+)
+
 
 def _identity(path: Path) -> Path:
     return path
@@ -90,8 +95,7 @@ class Config:
 
     def error(self, path: Path, message: str) -> ConfigError:
         """A ``ConfigError`` about ``path`` (a document path), with file and line."""
-        return ConfigError(located(self.linemap, self.translate(tuple(path)), message),
-                           self.label)
+        return ConfigError(located(self.linemap, self.translate(tuple(path)), message), self.label)
 
     def leaf_paths(self) -> dict[str, Path]:
         return {n.name: n.path for n in self.nodes.values() if n.kind == "leaf"}
@@ -100,10 +104,13 @@ class Config:
 # --------------------------------------------------------------------------- public API
 
 
-def load_config(source: str | os.PathLike | Mapping[str, Any], *,
-                env: Mapping[str, str] | None = None,
-                overrides: list[Override] | None = None,
-                check_vllm: bool | None = None) -> Config:
+def load_config(
+    source: str | os.PathLike | Mapping[str, Any],
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: list[Override] | None = None,
+    check_vllm: bool | None = None,
+) -> Config:
     """Load and validate a config from a YAML/JSON file or a dict in the user format.
 
     Also accepted: a bare node (``{"chain": {...}}``), vLLM MultiConnector JSON (the whole
@@ -125,16 +132,22 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *,
     raise ConfigError(f"expected a file path or a mapping, got {describe(source)}")
 
 
-def load_tree(source: str | os.PathLike | Mapping[str, Any], *,
-              env: Mapping[str, str] | None = None,
-              check_vllm: bool | None = None) -> Node:
+def load_tree(
+    source: str | os.PathLike | Mapping[str, Any],
+    *,
+    env: Mapping[str, str] | None = None,
+    check_vllm: bool | None = None,
+) -> Node:
     """The validated tree of a config file (YAML/JSON) or dict; raises ``ConfigError``."""
     return load_config(source, env=env, check_vllm=check_vllm).tree
 
 
-def config_from_extra_config(extra: Mapping[str, Any], *,
-                             env: Mapping[str, str] | None = None,
-                             check_vllm: bool | None = None) -> Config:
+def config_from_extra_config(
+    extra: Mapping[str, Any],
+    *,
+    env: Mapping[str, str] | None = None,
+    check_vllm: bool | None = None,
+) -> Config:
     """Load the tree a KVCompose connector was given in its ``kv_connector_extra_config``.
 
     Forms: ``{TREE_KEY: <canonical dict>}`` (internal, already validated);
@@ -156,9 +169,12 @@ def config_from_extra_config(extra: Mapping[str, Any], *,
         return _from_extra(extra, environ(env), check_vllm, Source({}, EXTRA_CONFIG), ())
 
 
-def tree_from_extra_config(extra: Mapping[str, Any], *,
-                           env: Mapping[str, str] | None = None,
-                           check_vllm: bool | None = None) -> Node:
+def tree_from_extra_config(
+    extra: Mapping[str, Any],
+    *,
+    env: Mapping[str, str] | None = None,
+    check_vllm: bool | None = None,
+) -> Node:
     """The tree for a KVCompose connector's ``kv_connector_extra_config`` (see
     ``config_from_extra_config`` for the accepted forms)."""
     return config_from_extra_config(extra, env=env, check_vllm=check_vllm).tree
@@ -195,8 +211,13 @@ def _opened(found: _Found) -> Iterator[Source]:
             yield src
 
 
-def _from_extra(extra: dict[str, Any], env: Mapping[str, str], check_vllm: bool | None,
-                outer: Source, prefix: Path) -> Config:
+def _from_extra(
+    extra: dict[str, Any],
+    env: Mapping[str, str],
+    check_vllm: bool | None,
+    outer: Source,
+    prefix: Path,
+) -> Config:
     """An extra config's tree; ``prefix`` is where ``extra`` sits in ``outer`` (a nested
     KVCompose leaf's ``extra_config``), ``()`` for vLLM's own."""
     if TREE_KEY in extra:
@@ -205,10 +226,13 @@ def _from_extra(extra: dict[str, Any], env: Mapping[str, str], check_vllm: bool 
     with _opened(found) as src:
         translate = _identity
         if found.inline is not None and prefix:
+
             def translate(path: Path) -> Path:
                 return (*prefix, *path)
-        return _load(src, env_overrides(env) + found.overrides, check_vllm, env=env,
-                     translate=translate)
+
+        return _load(
+            src, env_overrides(env) + found.overrides, check_vllm, env=env, translate=translate
+        )
 
 
 def _parse_internal(data: Any, label: str | None, where: Path) -> Node:
@@ -216,8 +240,12 @@ def _parse_internal(data: Any, label: str | None, where: Path) -> Node:
         return parse_node(data)
     except ValidationError as exc:
         first = items_from_validation(exc)[0]
-        raise ConfigError(ErrorItem(where, f"malformed internal tree: {format_path(first.path)}: "
-                                           f"{first.message}"), label) from None
+        raise ConfigError(
+            ErrorItem(
+                where, f"malformed internal tree: {format_path(first.path)}: {first.message}"
+            ),
+            label,
+        ) from None
 
 
 def _internal(data: Any, label: str | None, where: Path) -> Config:
@@ -225,16 +253,27 @@ def _internal(data: Any, label: str | None, where: Path) -> Config:
     tree = _parse_internal(data, label, where)
     problems = check_tree(tree)
     if problems:
-        raise ConfigError(ErrorItem(where, f"malformed internal tree: "
-                                           f"{format_path(problems[0].path)}: "
-                                           f"{problems[0].message}"), label)
-    return Config(tree=tree, label=label, origin="internal",
-                  nodes={n.name: NodeInfo(n.name, n.kind, (), None, None)  # type: ignore[arg-type]
-                         for _, n in walk(tree)})
+        raise ConfigError(
+            ErrorItem(
+                where,
+                f"malformed internal tree: {format_path(problems[0].path)}: {problems[0].message}",
+            ),
+            label,
+        )
+    return Config(
+        tree=tree,
+        label=label,
+        origin="internal",
+        nodes={
+            n.name: NodeInfo(n.name, n.kind, (), None, None)  # type: ignore[arg-type]
+            for _, n in walk(tree)
+        },
+    )
 
 
-def _split_extra(extra: dict[str, Any], env: Mapping[str, str], outer: Source,
-                 prefix: Path) -> _Found:
+def _split_extra(
+    extra: dict[str, Any], env: Mapping[str, str], outer: Source, prefix: Path
+) -> _Found:
     """Where the document of an extra config comes from, and the override keys given next
     to it."""
     label = outer.label or EXTRA_CONFIG
@@ -244,35 +283,52 @@ def _split_extra(extra: dict[str, Any], env: Mapping[str, str], outer: Source,
     has_tree = "connectors" in extra or "tree" in extra or any(k in extra for k in NODE_KINDS)
     if has_tree and "config" not in extra:
         return _Found(late, inline=Source(extra, label, outer.linemap, outer.path))
-    top = [Override(_dotted(prefix, key), key, value) for key, value in extra.items()
-           if key != "config"]
+    top = [
+        Override(_dotted(prefix, key), key, value)
+        for key, value in extra.items()
+        if key != "config"
+    ]
     if "config" in extra:
         path = extra["config"]
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             got = "an empty string" if path == "" else describe(path)
-            raise ConfigError(located(outer.linemap, (*prefix, "config"),
-                                      f"expected a file path, got {got}"), label)
-        return _Found(top + late, file=os.fspath(path),
-                      referrer=Referrer(label, (*prefix, "config"), outer.linemap))
+            raise ConfigError(
+                located(outer.linemap, (*prefix, "config"), f"expected a file path, got {got}"),
+                label,
+            )
+        return _Found(
+            top + late,
+            file=os.fspath(path),
+            referrer=Referrer(label, (*prefix, "config"), outer.linemap),
+        )
     if env.get(ENV_CONFIG_FILE):
         return _Found(top + late, file=env[ENV_CONFIG_FILE], referrer=Referrer(ENV_CONFIG_FILE))
     got = shown_list(repr(k) for k in extra) or "none"
     needs = "a nested KVCompose connector needs its own tree: " if prefix else ""
-    raise ConfigError(located(outer.linemap, prefix, f"{needs}no tree given: expected 'tree' "
-                              "(an inline tree), 'config' (a file path) or 'connectors' "
-                              f"(MultiConnector form), or set {ENV_CONFIG_FILE}; got keys: "
-                              f"{got}"), label)
+    raise ConfigError(
+        located(
+            outer.linemap,
+            prefix,
+            f"{needs}no tree given: expected 'tree' "
+            "(an inline tree), 'config' (a file path) or 'connectors' "
+            f"(MultiConnector form), or set {ENV_CONFIG_FILE}; got keys: "
+            f"{got}",
+        ),
+        label,
+    )
 
 
 def _dotted(prefix: Path, key: str) -> str:
     return format_path((*prefix, key)) if prefix else f"{EXTRA_CONFIG}.{key}"
 
 
-def _load_source(src: Source, env: Mapping[str, str], overrides: list[Override],
-                 check_vllm: bool | None) -> Config:
+def _load_source(
+    src: Source, env: Mapping[str, str], overrides: list[Override], check_vllm: bool | None
+) -> Config:
     if not isinstance(src.data, Mapping):
-        raise ConfigError(f"expected a mapping at the top level, got {describe(src.data)}",
-                          src.label)
+        raise ConfigError(
+            f"expected a mapping at the top level, got {describe(src.data)}", src.label
+        )
     data = dict(src.data)
     if isinstance(data.get("kv_connector"), str) and data["kv_connector"] in COMPOSITE_NAMES:
         config = _from_composite_args(data, src, env, overrides, check_vllm)
@@ -280,34 +336,50 @@ def _load_source(src: Source, env: Mapping[str, str], overrides: list[Override],
         config = _load(src, env_overrides(env) + overrides, check_vllm, env=env)
     if isinstance(data.get("kv_connector"), str):
         module = data.get("kv_connector_module_path")
-        config = dataclasses.replace(config, loaded_as=(
-            data["kv_connector"], module if isinstance(module, str) else None))
+        config = dataclasses.replace(
+            config, loaded_as=(data["kv_connector"], module if isinstance(module, str) else None)
+        )
     return config
 
 
-def _from_composite_args(data: dict[str, Any], src: Source, env: Mapping[str, str],
-                         overrides: list[Override], check_vllm: bool | None) -> Config:
+def _from_composite_args(
+    data: dict[str, Any],
+    src: Source,
+    env: Mapping[str, str],
+    overrides: list[Override],
+    check_vllm: bool | None,
+) -> Config:
     """A KVCompose ``--kv-transfer-config`` (what ``vllm-args`` prints)."""
     extra = data.get(EXTRA_CONFIG)
     if not isinstance(extra, Mapping):
-        raise ConfigError(ErrorItem((EXTRA_CONFIG,), f"expected a mapping, got "
-                                    f"{describe(extra)}", line_for(src.linemap, (EXTRA_CONFIG,))),
-                          src.label)
+        raise ConfigError(
+            ErrorItem(
+                (EXTRA_CONFIG,),
+                f"expected a mapping, got {describe(extra)}",
+                line_for(src.linemap, (EXTRA_CONFIG,)),
+            ),
+            src.label,
+        )
     parent = {k: v for k, v in data.items() if k in TRANSFER_FIELDS and v is not None}
     if TREE_KEY in extra:  # the internal form, in a file: validate it like any document
         tree = _parse_internal(extra[TREE_KEY], src.label, (EXTRA_CONFIG, TREE_KEY))
         doc = document_from_tree(tree, parent)
         if extra.get("strict"):
             doc["strict"] = True
-        return _load(Source(doc, src.label, None, src.path),
-                     env_overrides(env) + list(overrides), check_vllm, env=env,
-                     origin="internal")
+        return _load(
+            Source(doc, src.label, None, src.path),
+            env_overrides(env) + list(overrides),
+            check_vllm,
+            env=env,
+            origin="internal",
+        )
     found = _split_extra(dict(extra), env, src, (EXTRA_CONFIG,))
     everything = env_overrides(env) + found.overrides + list(overrides)
     with _opened(found) as inner:
         if not isinstance(inner.data, Mapping):
-            raise ConfigError(f"expected a mapping at the top level, got "
-                              f"{describe(inner.data)}", inner.label)
+            raise ConfigError(
+                f"expected a mapping at the top level, got {describe(inner.data)}", inner.label
+            )
         merged = Source({**parent, **inner.data}, inner.label, inner.linemap, inner.path)
         if found.inline is None:
             return _load(merged, everything, check_vllm, env=env)
@@ -317,17 +389,23 @@ def _from_composite_args(data: dict[str, Any], src: Source, env: Mapping[str, st
                 return path
             return (EXTRA_CONFIG, *path)
 
-        return _load(merged, everything, check_vllm, env=env, translate=translate,
-                     origin="kvcompose-args")
+        return _load(
+            merged, everything, check_vllm, env=env, translate=translate, origin="kvcompose-args"
+        )
 
 
-def _load(src: Source, overrides: list[Override], check_vllm: bool | None, *,
-          env: Mapping[str, str], translate: Translate = _identity,
-          origin: str = "document") -> Config:
+def _load(
+    src: Source,
+    overrides: list[Override],
+    check_vllm: bool | None,
+    *,
+    env: Mapping[str, str],
+    translate: Translate = _identity,
+    origin: str = "document",
+) -> Config:
     data = src.data
     if not isinstance(data, Mapping):
-        raise ConfigError(f"expected a mapping at the top level, got {describe(data)}",
-                          src.label)
+        raise ConfigError(f"expected a mapping at the top level, got {describe(data)}", src.label)
     data = dict(data)
     if data and set(data) <= set(NODE_KINDS):
         data = {"tree": data}  # a bare node
@@ -335,20 +413,25 @@ def _load(src: Source, overrides: list[Override], check_vllm: bool | None, *,
 
         def translate(path: Path, inner: Translate = inner) -> Path:
             return inner(path[1:] if path[:1] == ("tree",) else path)
-    elif (("connectors" in data and "tree" not in data)
-          or data.get("kv_connector") == "MultiConnector"):
+    elif ("connectors" in data and "tree" not in data) or data.get(
+        "kv_connector"
+    ) == "MultiConnector":
         from kvcompose.config.multiconnector import document_from_multiconnector
 
         data, translate = document_from_multiconnector(data, translate, src)
         origin = "multiconnector"
     elif "kv_connector" in data and "tree" not in data:
         name = data["kv_connector"]
-        why = ("is the kvcompose connector itself: name a kvcompose document here, not a "
-               "--kv-transfer-config" if name in COMPOSITE_NAMES else
-               "is a single connector: kvcompose reads its own documents, KVCompose and "
-               "MultiConnector configs")
-        raise ConfigError(located(src.linemap, translate(("kv_connector",)),
-                                  f"{shown(name)} {why}"), src.label)
+        why = (
+            "is the kvcompose connector itself: name a kvcompose document here, not a "
+            "--kv-transfer-config"
+            if name in COMPOSITE_NAMES
+            else "is a single connector: kvcompose reads its own documents, KVCompose and "
+            "MultiConnector configs"
+        )
+        raise ConfigError(
+            located(src.linemap, translate(("kv_connector",)), f"{shown(name)} {why}"), src.label
+        )
     compiled = compile_document(data, src.label, src.linemap, translate)
     applied: list[str] = []
     for override in overrides:
@@ -360,10 +443,20 @@ def _load(src: Source, overrides: list[Override], check_vllm: bool | None, *,
             raise exc.relabel(override.source) from None
         applied.append(override.source)
     config = Config(
-        tree=compiled.tree, document=compiled.document, transfer=compiled.transfer,
-        hma=compiled.hma, version=compiled.version, label=src.label, path=src.path,
-        nodes=compiled.nodes, warnings=tuple(compiled.warnings), overrides=tuple(applied),
-        origin=origin, linemap=src.linemap, translate=translate)
+        tree=compiled.tree,
+        document=compiled.document,
+        transfer=compiled.transfer,
+        hma=compiled.hma,
+        version=compiled.version,
+        label=src.label,
+        path=src.path,
+        nodes=compiled.nodes,
+        warnings=tuple(compiled.warnings),
+        overrides=tuple(applied),
+        origin=origin,
+        linemap=src.linemap,
+        translate=translate,
+    )
     _check_nested(config, env, check_vllm)
     if check_vllm is None:
         check_vllm = vllm_available()
@@ -371,8 +464,9 @@ def _load(src: Source, overrides: list[Override], check_vllm: bool | None, *,
         from kvcompose.config.vllm_checks import inspect_config
 
         facts = inspect_config(config)
-        config = dataclasses.replace(config, facts=facts,
-                                     warnings=config.warnings + tuple(facts.warnings()))
+        config = dataclasses.replace(
+            config, facts=facts, warnings=config.warnings + tuple(facts.warnings())
+        )
     return config
 
 
@@ -381,8 +475,10 @@ def _check_nested(config: Config, env: Mapping[str, str], check_vllm: bool | Non
     it builds that leaf: a missing or broken nested tree, or a file that includes itself,
     is refused now rather than in vLLM's engine."""
     for _, node in walk(config.tree):
-        if not isinstance(node, Leaf) or (node.connector, node.module_path) not in \
-                NESTED_COMPOSITES:
+        if (
+            not isinstance(node, Leaf)
+            or (node.connector, node.module_path) not in NESTED_COMPOSITES
+        ):
             continue
         info = config.nodes.get(node.name)
         where = config.translate((*(info.path if info else ()), "extra_config"))
@@ -394,6 +490,14 @@ def _check_nested(config: Config, env: Mapping[str, str], check_vllm: bool | Non
                 raise
             line = line_for(config.linemap, where)
             at = f"{config.label}:{line}" if line else str(config.label)
-            raise ConfigError([ErrorItem(i.path, f"{i.message} (in the tree of {at}: "
-                                                 f"{format_path(where[:-1])})", i.line)
-                               for i in exc.items], exc.label) from None
+            raise ConfigError(
+                [
+                    ErrorItem(
+                        i.path,
+                        f"{i.message} (in the tree of {at}: {format_path(where[:-1])})",
+                        i.line,
+                    )
+                    for i in exc.items
+                ],
+                exc.label,
+            ) from None

@@ -25,8 +25,7 @@ class _NodeKey(BaseModel):
     """Stands for a node's own mapping (one key, the kind) in ``model_at``."""
 
 
-_BODY: dict[str, type[BaseModel]] = {"leaf": Leaf, "chain": Chain, "fanout": Fanout,
-                                     "route": Route}
+_BODY: dict[str, type[BaseModel]] = {"leaf": Leaf, "chain": Chain, "fanout": Fanout, "route": Route}
 _NEXT: dict[tuple[type[BaseModel], str], type[BaseModel]] = {
     (Document, "tree"): _NodeKey,
     **{(_NodeKey, kind): model for kind, model in _BODY.items()},
@@ -47,7 +46,7 @@ _ALIASES = {
 _MISSING = {
     "connector": "missing required key 'connector' (the vLLM connector name)",
     "default": "missing required key 'default': a route needs a default child, used when "
-               "no rule matches",
+    "no rule matches",
     "children": "missing required key 'children'",
     "tree": "missing required key 'tree' (the root node)",
     "child": "missing required key 'child' (the child this rule sends requests to)",
@@ -120,8 +119,11 @@ def _items(err: dict[str, Any]) -> list[ErrorItem]:
     """A mapping that is no node yields one item per key that names no kind."""
     if err["type"] == NODE_KIND_ERROR and isinstance(err.get("input"), dict):
         loc = tuple(err["loc"])
-        return [ErrorItem((*loc, key), _unknown_key((*loc, key))) for key in err["input"]
-                if key not in NODE_KINDS]
+        return [
+            ErrorItem((*loc, key), _unknown_key((*loc, key)))
+            for key in err["input"]
+            if key not in NODE_KINDS
+        ]
     return [_item(err)]
 
 
@@ -150,18 +152,26 @@ def _item(err: dict[str, Any]) -> ErrorItem:
         hint = did_you_mean(value, options)
         return ErrorItem(loc, f"must be one of {listed}, got {describe(value)}{hint}")
     if kind == "string_pattern_mismatch" and loc and loc[-1] == "name":
-        return ErrorItem(loc, f"invalid node name {shown(value)}: use letters, digits, '_' and "
-                              "'-' (at most 64 characters, no dots)")
+        return ErrorItem(
+            loc,
+            f"invalid node name {shown(value)}: use letters, digits, '_' and "
+            "'-' (at most 64 characters, no dots)",
+        )
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        sign = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<",
-                "less_than_equal": "<="}[kind]
+        sign = {
+            "greater_than": ">",
+            "greater_than_equal": ">=",
+            "less_than": "<",
+            "less_than_equal": "<=",
+        }[kind]
         bound = next(iter(ctx.values()), "?")
         return ErrorItem(loc, f"must be {sign} {bound}, got {shown(value)}")
     if kind == "string_too_short":
         return ErrorItem(loc, "must not be empty")
     if kind == "string_too_long":
-        return ErrorItem(loc, f"too long ({len(value)} characters; at most "
-                              f"{ctx.get('max_length', '?')})")
+        return ErrorItem(
+            loc, f"too long ({len(value)} characters; at most {ctx.get('max_length', '?')})"
+        )
     if kind == "invalid_key":
         return ErrorItem(loc[:-1], f"keys must be strings, got {describe(loc[-1])}")
     message = str(err.get("msg", "invalid value"))

@@ -39,8 +39,11 @@ COMPAT_MODULE = "kvcompose.compat"
 #: Document keys accepted next to ``connectors`` in the extra config.
 EXTRA_KEYS = ("strict", "hma")
 
-_TO_LEAF = {"kv_connector": "connector", "kv_connector_module_path": "module_path",
-            "kv_connector_extra_config": "extra_config"}
+_TO_LEAF = {
+    "kv_connector": "connector",
+    "kv_connector_module_path": "module_path",
+    "kv_connector_extra_config": "extra_config",
+}
 _FROM_LEAF = {v: k for k, v in _TO_LEAF.items()}
 
 
@@ -59,8 +62,9 @@ def kv_transfer_fields() -> tuple[str, ...]:
     return KNOWN_KV_TRANSFER_FIELDS
 
 
-def document_from_multiconnector(data: Mapping[str, Any], translate: Any, src: Source
-                                 ) -> tuple[dict[str, Any], Any]:
+def document_from_multiconnector(
+    data: Mapping[str, Any], translate: Any, src: Source
+) -> tuple[dict[str, Any], Any]:
     """A kvcompose document from MultiConnector JSON (the whole ``--kv-transfer-config``
     or just its extra config), and a function mapping document paths back to JSON paths."""
 
@@ -78,17 +82,23 @@ def document_from_multiconnector(data: Mapping[str, Any], translate: Any, src: S
     if "kv_connector" in data:
         for key in data:
             if key not in fields:
-                raise fail((key,), f"unknown KVTransferConfig key {shown(key)}"
-                                   f"{did_you_mean(key, fields)}")
+                raise fail(
+                    (key,), f"unknown KVTransferConfig key {shown(key)}{did_you_mean(key, fields)}"
+                )
         for key, value in data.items():
             if key not in OWN_FIELDS:
                 _put_field(doc, key, value)
         extra = data.get(EXTRA)
         if not isinstance(extra, Mapping) or "connectors" not in extra:
             real = translate(prefix)
-            raise ConfigError(ErrorItem(real, "expected a mapping with 'connectors', got "
-                                        f"{describe(extra)}", line_for(src.linemap, real)),
-                              src.label)
+            raise ConfigError(
+                ErrorItem(
+                    real,
+                    f"expected a mapping with 'connectors', got {describe(extra)}",
+                    line_for(src.linemap, real),
+                ),
+                src.label,
+            )
         allowed = ["connectors", *EXTRA_KEYS]
     else:
         extra = data
@@ -96,9 +106,14 @@ def document_from_multiconnector(data: Mapping[str, Any], translate: Any, src: S
     for key in extra:
         if key not in allowed:
             real = translate((*prefix, key))
-            raise ConfigError(ErrorItem(real, f"unknown key {shown(key)}"
-                                        f"{did_you_mean(key, allowed)}",
-                                        line_for(src.linemap, real)), src.label)
+            raise ConfigError(
+                ErrorItem(
+                    real,
+                    f"unknown key {shown(key)}{did_you_mean(key, allowed)}",
+                    line_for(src.linemap, real),
+                ),
+                src.label,
+            )
         if key in EXTRA_KEYS or key in TRANSFER_FIELDS or key == "transfer_config":
             _put_field(doc, key, extra[key])
     doc["tree"] = _chain(extra, fields, fail)
@@ -115,32 +130,41 @@ def _put_field(doc: dict[str, Any], key: str, value: Any) -> None:
 def _chain(extra: Mapping[str, Any], fields: tuple[str, ...], fail: Any) -> dict[str, Any]:
     connectors = extra.get("connectors")
     if not isinstance(connectors, list):
-        raise fail(("tree", "chain", "children"),
-                   f"expected a list of connector configs, got {describe(connectors)}")
+        raise fail(
+            ("tree", "chain", "children"),
+            f"expected a list of connector configs, got {describe(connectors)}",
+        )
     if not connectors:
-        raise fail(("tree", "chain", "children"), "is empty: a MultiConnector needs at least "
-                                                  "one connector")
+        raise fail(
+            ("tree", "chain", "children"), "is empty: a MultiConnector needs at least one connector"
+        )
     children = []
     for index, child in enumerate(connectors):
         here: Path = ("tree", "chain", "children", index, "leaf")
         if not isinstance(child, Mapping):
-            raise fail(here[:-1], f"expected a connector config (a mapping), got "
-                                  f"{describe(child)}")
+            raise fail(here[:-1], f"expected a connector config (a mapping), got {describe(child)}")
         for key in child:  # first: a typo explains a missing kv_connector
             if key not in fields:
-                raise fail((*here, _TO_LEAF.get(key, key)),
-                           f"unknown KVTransferConfig key {shown(key)}"
-                           f"{did_you_mean(key, fields)}")
+                raise fail(
+                    (*here, _TO_LEAF.get(key, key)),
+                    f"unknown KVTransferConfig key {shown(key)}{did_you_mean(key, fields)}",
+                )
         if "kv_connector" not in child:
             raise fail(here[:-1], "missing required key 'kv_connector'")
         if child.get("kv_connector") == MULTI and child.get("kv_connector_module_path") in (
-                None, COMPAT_MODULE):
+            None,
+            COMPAT_MODULE,
+        ):
             nested = child.get(EXTRA)
             if not isinstance(nested, Mapping):
-                raise fail(here[:-1], "a nested MultiConnector needs "
-                                      "kv_connector_extra_config.connectors")
-            sub = _chain(nested, fields, lambda p, m, i=index: fail(
-                ("tree", "chain", "children", i, *p[1:]), m))
+                raise fail(
+                    here[:-1], "a nested MultiConnector needs kv_connector_extra_config.connectors"
+                )
+            sub = _chain(
+                nested,
+                fields,
+                lambda p, m, i=index: fail(("tree", "chain", "children", i, *p[1:]), m),
+            )
             children.append(sub)
             continue
         leaf: dict[str, Any] = {}
@@ -189,8 +213,9 @@ def _translate(path: Path, prefix: Path) -> Path:
 # --------------------------------------------------------------------------- and back
 
 
-def multiconnector_from_config(config: Any, *, compat: bool = False) -> tuple[dict[str, Any],
-                                                                              list[str]]:
+def multiconnector_from_config(
+    config: Any, *, compat: bool = False
+) -> tuple[dict[str, Any], list[str]]:
     """vLLM MultiConnector ``--kv-transfer-config`` for a flat tree, and notes.
 
     ``compat``: load it as ``kvcompose.compat.MultiConnector`` (kvcompose semantics with
@@ -218,15 +243,23 @@ def multiconnector_from_config(config: Any, *, compat: bool = False) -> tuple[di
     children = []
     for child in tree.children:
         if not isinstance(child, Leaf):
-            raise nope(child.name, f"{child.kind} {child.name!r} is nested; only leaves are "
-                                   "flat (use kvcompose's KVCompose form)")
+            raise nope(
+                child.name,
+                f"{child.kind} {child.name!r} is nested; only leaves are "
+                "flat (use kvcompose's KVCompose form)",
+            )
         if not child.save:
-            raise nope(child.name, f"leaf {child.name!r} has save: false, but every "
-                                   "MultiConnector child saves")
+            raise nope(
+                child.name,
+                f"leaf {child.name!r} has save: false, but every MultiConnector child saves",
+            )
         own = child.transfer_fields()
         if not compat and "engine_id" in own and own.get("engine_id") != top.get("engine_id"):
-            raise nope(child.name, f"leaf {child.name!r} sets its own engine_id, which makes "
-                                   "vLLM's MultiConnector raise TypeError (pass --compat)")
+            raise nope(
+                child.name,
+                f"leaf {child.name!r} sets its own engine_id, which makes "
+                "vLLM's MultiConnector raise TypeError (pass --compat)",
+            )
         entry: dict[str, Any] = {"kv_connector": child.connector}
         if child.module_path:
             entry["kv_connector_module_path"] = child.module_path
@@ -238,8 +271,10 @@ def multiconnector_from_config(config: Any, *, compat: bool = False) -> tuple[di
         if child.extra_config:
             entry[EXTRA] = dict(child.extra_config)
         if child.on_error != "miss" and not compat:
-            notes.append(f"leaf {child.name!r}: on_error is a kvcompose setting; "
-                         "vLLM's MultiConnector lets every error through")
+            notes.append(
+                f"leaf {child.name!r}: on_error is a kvcompose setting; "
+                "vLLM's MultiConnector lets every error through"
+            )
         children.append(entry)
     out: dict[str, Any] = {"kv_connector": MULTI}
     if compat:
@@ -247,8 +282,10 @@ def multiconnector_from_config(config: Any, *, compat: bool = False) -> tuple[di
     out.update(top)
     out[EXTRA] = {"connectors": children}
     if not compat and any(leaf.on_error == "miss" for leaf in tree.children):
-        notes.append("vLLM's MultiConnector has no on_error policy: a child's error reaches "
-                     "vLLM (kvcompose treats it as a miss)")
+        notes.append(
+            "vLLM's MultiConnector has no on_error policy: a child's error reaches "
+            "vLLM (kvcompose treats it as a miss)"
+        )
     return out, notes
 
 
@@ -266,7 +303,9 @@ def document_notes(data: Mapping[str, Any], doc: Mapping[str, Any]) -> list[str]
         gained = sorted(k for k in top if k not in child)
         if gained:
             name = child.get("kv_connector", f"connectors[{index}]")
-            notes.append(f"connectors[{index}] ({name}) now inherits "
-                         + ", ".join(f"{k}={top[k]!r}" for k in gained)
-                         + " (vLLM's MultiConnector did not pass it down)")
+            notes.append(
+                f"connectors[{index}] ({name}) now inherits "
+                + ", ".join(f"{k}={top[k]!r}" for k in gained)
+                + " (vLLM's MultiConnector did not pass it down)"
+            )
     return notes

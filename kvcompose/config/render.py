@@ -28,8 +28,7 @@ def composite_class(config: Config) -> str:
     return "KVCompose"
 
 
-def vllm_args(config: Config, *, by_path: bool = False, module_path: bool = True
-              ) -> dict[str, Any]:
+def vllm_args(config: Config, *, by_path: bool = False, module_path: bool = True) -> dict[str, Any]:
     """The ``--kv-transfer-config`` dict that loads ``config`` as a KVCompose connector.
 
     The tree goes inline (``{"version": 1, "tree": ...}``), or with ``by_path`` as
@@ -39,8 +38,11 @@ def vllm_args(config: Config, *, by_path: bool = False, module_path: bool = True
     """
     transfer = dict(config.transfer)
     if "kv_role" not in transfer:
-        raise config.error(("kv_role",), "required to start vLLM: set kv_role at the top of "
-                                         "the config (kv_producer, kv_consumer or kv_both)")
+        raise config.error(
+            ("kv_role",),
+            "required to start vLLM: set kv_role at the top of "
+            "the config (kv_producer, kv_consumer or kv_both)",
+        )
     out: dict[str, Any] = {"kv_connector": composite_class(config)}
     if module_path:
         out["kv_connector_module_path"] = MODULE_PATH
@@ -51,8 +53,9 @@ def vllm_args(config: Config, *, by_path: bool = False, module_path: bool = True
     document = config.document or document_from_tree(config.tree)
     if by_path:
         if not config.path:
-            raise ConfigError("this config does not come from a file: print it inline",
-                              config.label)
+            raise ConfigError(
+                "this config does not come from a file: print it inline", config.label
+            )
         extra: dict[str, Any] = {"config": os.path.abspath(config.path)}
     else:
         extra = {"version": document.get("version", VERSION)}
@@ -77,8 +80,10 @@ def shell_arg(data: dict[str, Any]) -> str:
 def python_form(data: dict[str, Any]) -> str:
     """``KVTransferConfig(...)`` source text for the same config."""
     args = ",\n".join(f"    {key}={_pyjson(value, 4)}" for key, value in data.items())
-    return ("from vllm.config import KVTransferConfig\n\n"
-            f"kv_transfer_config = KVTransferConfig(\n{args},\n)")
+    return (
+        "from vllm.config import KVTransferConfig\n\n"
+        f"kv_transfer_config = KVTransferConfig(\n{args},\n)"
+    )
 
 
 def _pyjson(value: Any, indent: int) -> str:
@@ -111,8 +116,14 @@ _Dumper.add_representer(dict, _represent_dict)
 
 
 def to_yaml(data: Any, header: str | None = None) -> str:
-    text = yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
-                     allow_unicode=True, width=100)
+    text = yaml.dump(
+        data,
+        Dumper=_Dumper,
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+        width=100,
+    )
     if header:
         text = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + text
     return text

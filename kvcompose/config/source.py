@@ -52,8 +52,9 @@ def read_file(path: str | os.PathLike) -> Source:
     """Parse a YAML (``.yaml``/``.yml``/anything else) or JSON (``.json``) file."""
     label = os.fspath(path)
     raw = read_bytes(label)
-    return parse_bytes(raw, label, "json" if label.lower().endswith(".json") else "yaml",
-                       path=label)
+    return parse_bytes(
+        raw, label, "json" if label.lower().endswith(".json") else "yaml", path=label
+    )
 
 
 def read_stream(stream: IO[Any], label: str = STDIN) -> Source:
@@ -83,8 +84,9 @@ def read_bytes(path: str) -> bytes:
 def _check_size(size: int, label: str) -> None:
     if size > MAX_FILE_BYTES:
         shown = "larger than" if size == MAX_FILE_BYTES + 1 else f"{size_text(size)}, more than"
-        raise ConfigError(f"too large for a config file ({shown} {size_text(MAX_FILE_BYTES)})",
-                          label)
+        raise ConfigError(
+            f"too large for a config file ({shown} {size_text(MAX_FILE_BYTES)})", label
+        )
 
 
 def _os_error(exc: OSError) -> str:
@@ -120,7 +122,7 @@ def _is_json(text: str) -> bool:
 def decode(raw: bytes, label: str) -> str:
     """UTF-8 text (a BOM is dropped); bad bytes and NUL bytes are reported with their line."""
     if raw.startswith(codecs.BOM_UTF8):
-        raw = raw[len(codecs.BOM_UTF8):]
+        raw = raw[len(codecs.BOM_UTF8) :]
     elif raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         raise ConfigError(ErrorItem((), "UTF-16 text: save the config as UTF-8", 1), label)
     try:
@@ -128,15 +130,24 @@ def decode(raw: bytes, label: str) -> str:
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         column = exc.start - raw.rfind(b"\n", 0, exc.start)
-        raise ConfigError(ErrorItem((), f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at "
-                                        f"column {column} cannot be decoded", line),
-                          label) from None
+        raise ConfigError(
+            ErrorItem(
+                (),
+                f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at column {column} cannot be decoded",
+                line,
+            ),
+            label,
+        ) from None
     nul = text.find("\x00")
     if nul >= 0:
         line = text.count("\n", 0, nul) + 1
         column = nul - text.rfind("\n", 0, nul)
-        raise ConfigError(ErrorItem((), f"NUL byte at column {column}: a config is text, is "
-                                        "this a binary file?", line), label)
+        raise ConfigError(
+            ErrorItem(
+                (), f"NUL byte at column {column}: a config is text, is this a binary file?", line
+            ),
+            label,
+        )
     return text
 
 
@@ -176,8 +187,9 @@ def _constant(text: str) -> Any:
 
 def _int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise _Refused(f"integer with {len(text.lstrip('-'))} digits is too large (at most "
-                       f"{MAX_INT_DIGITS})")
+        raise _Refused(
+            f"integer with {len(text.lstrip('-'))} digits is too large (at most {MAX_INT_DIGITS})"
+        )
     return int(text)
 
 
@@ -191,11 +203,18 @@ def _float(text: str) -> float:
 def parse_json(text: str, label: str | None = None) -> Source:
     with gc_paused():
         try:
-            data = json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant,
-                              parse_int=_int, parse_float=_float)
+            data = json.loads(
+                text,
+                object_pairs_hook=_pairs,
+                parse_constant=_constant,
+                parse_int=_int,
+                parse_float=_float,
+            )
         except json.JSONDecodeError as exc:
-            raise ConfigError(ErrorItem((), f"JSON syntax error: {exc.msg} (column "
-                                        f"{exc.colno})", exc.lineno), label) from None
+            raise ConfigError(
+                ErrorItem((), f"JSON syntax error: {exc.msg} (column {exc.colno})", exc.lineno),
+                label,
+            ) from None
         except _Refused as exc:
             _lines(text, label)  # raises the same problem with its line, when it can
             raise ConfigError(str(exc), label) from None
@@ -257,8 +276,11 @@ def _yaml_error(exc: yaml.YAMLError, text: str) -> ErrorItem:
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or str(exc)
     if "maximum nesting depth" in problem:  # libyaml's own limit (1000)
-        return ErrorItem((), f"nested more than {MAX_DEPTH} levels deep",
-                         mark.line + 1 if mark is not None else None)
+        return ErrorItem(
+            (),
+            f"nested more than {MAX_DEPTH} levels deep",
+            mark.line + 1 if mark is not None else None,
+        )
     context = getattr(exc, "context", None)
     message = f"YAML syntax error: {problem}"
     if context:

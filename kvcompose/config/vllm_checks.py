@@ -26,8 +26,15 @@ from kvcompose.tree import Leaf, Route, child_transfer_config, walk
 
 #: Connectors vLLM special-cases by name (``KVTransferConfig.has_connector``, HiSparse,
 #: SimpleCPUOffload); under a KVCompose composite those checks do not see them.
-NAME_CHECKED = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoRIIOConnector",
-                "MooncakeConnector", "HiSparseConnector", "SimpleCPUOffloadConnector")
+NAME_CHECKED = (
+    "NixlConnector",
+    "NixlPullConnector",
+    "NixlPushConnector",
+    "MoRIIOConnector",
+    "MooncakeConnector",
+    "HiSparseConnector",
+    "SimpleCPUOffloadConnector",
+)
 
 
 @dataclass
@@ -66,14 +73,15 @@ class VllmFacts:
                 out.setdefault(f.layout, []).append(f.name)
         return out
 
-
     def warnings(self) -> list[str]:
         layouts = self.layouts
         if len(layouts) <= 1:
             return []
         listed = "; ".join(f"{layout} ({', '.join(names)})" for layout, names in layouts.items())
-        return [f"leaves require different KV cache layouts: {listed}; the composite refuses "
-                "to start where these apply"]
+        return [
+            f"leaves require different KV cache layouts: {listed}; the composite refuses "
+            "to start where these apply"
+        ]
 
 
 def registry() -> dict[str, Any]:
@@ -112,8 +120,15 @@ def inspect_config(config: Any) -> VllmFacts:
     return facts
 
 
-def _check_leaf(config: Any, node: Leaf, path: tuple, reg: dict[str, Any], supports_kw: Any,
-                ktc_fields: set[str], facts: VllmFacts) -> None:
+def _check_leaf(
+    config: Any,
+    node: Leaf,
+    path: tuple,
+    reg: dict[str, Any],
+    supports_kw: Any,
+    ktc_fields: set[str],
+    facts: VllmFacts,
+) -> None:
     """One leaf's checks and facts."""
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
@@ -121,16 +136,19 @@ def _check_leaf(config: Any, node: Leaf, path: tuple, reg: dict[str, Any], suppo
     cls = _resolve(config, node, path, reg, supports_kw)
     for key in node.transfer_config:
         if key not in ktc_fields:
-            raise config.error((*path, "transfer_config", key),
-                               f"{shown(key)} is not a KVTransferConfig field in this vLLM"
-                               f"{did_you_mean(key, ktc_fields)}")
+            raise config.error(
+                (*path, "transfer_config", key),
+                f"{shown(key)} is not a KVTransferConfig field in this vLLM"
+                f"{did_you_mean(key, ktc_fields)}",
+            )
     kwargs = child_transfer_config({}, node)
     kwargs.setdefault("kv_role", "kv_both")  # the composite's own role fills it in
     try:
         ktc = KVTransferConfig(**kwargs)
     except Exception as exc:
-        raise config.error(path, f"vLLM rejects this child's KVTransferConfig: "
-                                 f"{_one_line(exc)}") from None
+        raise config.error(
+            path, f"vLLM rejects this child's KVTransferConfig: {_one_line(exc)}"
+        ) from None
     info = LeafFacts(node.name, node.connector, getattr(cls, "__name__", "?"))
     info.supports_hma = bool(supports_hma(cls))
     try:
@@ -139,9 +157,11 @@ def _check_leaf(config: Any, node: Leaf, path: tuple, reg: dict[str, Any], suppo
         info.note = f"requires_piecewise_for_cudagraph failed: {_one_line(exc)}"
     info.layout, info.layout_scope = _layout(cls, ktc)
     if config.hma is True and not info.supports_hma:
-        raise config.error((*path, "connector"),
-                           f"{shown(node.connector)} does not support HMA (the hybrid KV "
-                           "cache manager), which this config requires (hma: true)")
+        raise config.error(
+            (*path, "connector"),
+            f"{shown(node.connector)} does not support HMA (the hybrid KV "
+            "cache manager), which this config requires (hma: true)",
+        )
     facts.leaves[node.name] = info
 
 
@@ -153,8 +173,9 @@ def _user_code(config: Any, where: tuple, what: str) -> Iterator[None]:
         try:
             yield
         except SystemExit as exc:
-            raise config.error(where, f"{what}: its code called sys.exit({exc.code!r}) "
-                                      "while being checked") from None
+            raise config.error(
+                where, f"{what}: its code called sys.exit({exc.code!r}) while being checked"
+            ) from None
 
 
 def _import(config: Any, where: tuple, name: str) -> ModuleType:
@@ -162,11 +183,14 @@ def _import(config: Any, where: tuple, name: str) -> ModuleType:
         try:
             return importlib.import_module(name)
         except SystemExit as exc:
-            raise config.error(where, f"cannot import module {shown(name)}: it calls "
-                                      f"sys.exit({exc.code!r}) on import") from None
+            raise config.error(
+                where,
+                f"cannot import module {shown(name)}: it calls sys.exit({exc.code!r}) on import",
+            ) from None
         except Exception as exc:
-            raise config.error(where, f"cannot import module {shown(name)} "
-                                      f"({_one_line(exc)})") from None
+            raise config.error(
+                where, f"cannot import module {shown(name)} ({_one_line(exc)})"
+            ) from None
 
 
 def _connector_class(config: Any, where: tuple, cls: Any, what: str) -> type:
@@ -175,38 +199,50 @@ def _connector_class(config: Any, where: tuple, cls: Any, what: str) -> type:
     if not isinstance(cls, type):
         raise config.error(where, f"{what} is not a class")
     if not issubclass(cls, KVConnectorBase_V1):
-        raise config.error(where, f"{what} is not a vLLM KV connector (not a subclass of "
-                                  "KVConnectorBase_V1)")
+        raise config.error(
+            where, f"{what} is not a vLLM KV connector (not a subclass of KVConnectorBase_V1)"
+        )
     return cls
 
 
-def _resolve(config: Any, leaf: Leaf, path: tuple, reg: dict[str, Any],
-             supports_kw: Any) -> type:
+def _resolve(config: Any, leaf: Leaf, path: tuple, reg: dict[str, Any], supports_kw: Any) -> type:
     if leaf.module_path:
         module = _import(config, (*path, "module_path"), leaf.module_path)
         cls = getattr(module, leaf.connector, None)
         if cls is None:
             names = [n for n in dir(module) if n.endswith("Connector") or n[:1].isupper()]
-            raise config.error((*path, "connector"), f"module {shown(leaf.module_path)} has no "
-                               f"class {shown(leaf.connector)}"
-                               f"{did_you_mean(leaf.connector, names)}")
-        cls = _connector_class(config, (*path, "connector"), cls,
-                               f"{leaf.module_path}.{leaf.connector}")
+            raise config.error(
+                (*path, "connector"),
+                f"module {shown(leaf.module_path)} has no "
+                f"class {shown(leaf.connector)}"
+                f"{did_you_mean(leaf.connector, names)}",
+            )
+        cls = _connector_class(
+            config, (*path, "connector"), cls, f"{leaf.module_path}.{leaf.connector}"
+        )
         if not supports_kw(cls, "kv_cache_config"):
-            raise config.error((*path, "connector"), f"{leaf.connector!r} uses the old "
-                               "2-argument constructor: vLLM needs (vllm_config, role, "
-                               "kv_cache_config)")
+            raise config.error(
+                (*path, "connector"),
+                f"{leaf.connector!r} uses the old "
+                "2-argument constructor: vLLM needs (vllm_config, role, "
+                "kv_cache_config)",
+            )
         return cls
     if leaf.connector not in reg:
         known = sorted(reg)
-        raise config.error((*path, "connector"), f"unknown connector {shown(leaf.connector)}"
-                           f"{did_you_mean(leaf.connector, known)}; known: {', '.join(known)} "
-                           "(or set module_path)")
+        raise config.error(
+            (*path, "connector"),
+            f"unknown connector {shown(leaf.connector)}"
+            f"{did_you_mean(leaf.connector, known)}; known: {', '.join(known)} "
+            "(or set module_path)",
+        )
     try:
         cls = reg[leaf.connector]()
     except Exception as exc:
-        raise config.error((*path, "connector"), f"connector {leaf.connector!r} cannot be "
-                           f"imported ({_one_line(exc)})") from None
+        raise config.error(
+            (*path, "connector"),
+            f"connector {leaf.connector!r} cannot be imported ({_one_line(exc)})",
+        ) from None
     return _connector_class(config, (*path, "connector"), cls, f"connector {leaf.connector!r}")
 
 

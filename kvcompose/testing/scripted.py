@@ -107,9 +107,14 @@ def script(name: str, default: Behaviour | None = None, **per_request: Behaviour
 
 def leaf(name: str, script_name: str | None = None, **fields: Any) -> dict[str, Any]:
     """The canonical dict of a leaf node running the script ``script_name`` (default: name)."""
-    return {"kind": "leaf", "name": name, "connector": "ScriptedConnector",
-            "module_path": "kvcompose.testing.scripted",
-            "extra_config": {"script": script_name or name}, **fields}
+    return {
+        "kind": "leaf",
+        "name": name,
+        "connector": "ScriptedConnector",
+        "module_path": "kvcompose.testing.scripted",
+        "extra_config": {"script": script_name or name},
+        **fields,
+    }
 
 
 @dataclass
@@ -137,8 +142,12 @@ class ScriptedMetadata(KVConnectorMetadata):
 
 
 class ScriptedConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         name = self._kv_transfer_config.get_from_extra_config("script", None)
         self.script = SCRIPTS[name]
@@ -160,8 +169,9 @@ class ScriptedConnector(KVConnectorBase_V1):
             raise RuntimeError(f"scripted failure in {method} for {req_id}")
 
     # ---------------------------------------------------------------- scheduler
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         req_id = request.request_id
         self.script.calls.append(("lookup", req_id, num_computed_tokens))
         self._lookup_at[req_id] = num_computed_tokens
@@ -176,8 +186,9 @@ class ScriptedConnector(KVConnectorBase_V1):
         hit = held - num_computed_tokens
         return (hit, b.is_async) if hit > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         req_id = request.request_id
         block_ids = tuple(blocks.get_block_ids()[0]) if blocks is not None else ()
         self.script.calls.append(("alloc", req_id, num_external_tokens, block_ids))
@@ -194,9 +205,15 @@ class ScriptedConnector(KVConnectorBase_V1):
             outcome = b.load
             if b.failed_loads is not None and self._loads_made[req_id] > b.failed_loads:
                 outcome = "ok"
-            self._step.loads[req_id] = _Load(num_external_tokens, b.is_async, outcome,
-                                             b.load_steps, block_ids[first:last],
-                                             b.break_duplicate_recv, b.invalid_block)
+            self._step.loads[req_id] = _Load(
+                num_external_tokens,
+                b.is_async,
+                outcome,
+                b.load_steps,
+                block_ids[first:last],
+                b.break_duplicate_recv,
+                b.invalid_block,
+            )
             if b.is_async:
                 self._loading.add(req_id)
 
@@ -204,8 +221,9 @@ class ScriptedConnector(KVConnectorBase_V1):
         meta, self._step = self._step, ScriptedMetadata()
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self.script.calls.append(("finished", req_id, tuple(block_ids)))
         self.script.finished[req_id] += 1
@@ -230,8 +248,12 @@ class ScriptedConnector(KVConnectorBase_V1):
 
     def live_requests(self) -> dict[str, Any]:
         live: dict[str, Any] = {}
-        for key, table in (("pending", self._pending_seen), ("lookup_at", self._lookup_at),
-                           ("loading", self._loading), ("loads_made", self._loads_made)):
+        for key, table in (
+            ("pending", self._pending_seen),
+            ("lookup_at", self._lookup_at),
+            ("loading", self._loading),
+            ("loads_made", self._loads_made),
+        ):
             if table:
                 live[key] = sorted(table)
         if self._recv_timers:
@@ -264,8 +286,9 @@ class ScriptedConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return
 
     def wait_for_save(self) -> None:

@@ -52,24 +52,29 @@ class Document(_Model):
     kv_load_failure_policy: FailurePolicyField = None
     transfer_config: TransferConfigField = Field(default_factory=dict)
     hma: Any = Field(
-        "auto", description="Hybrid KV cache manager (HMA): `true` requires every leaf to "
+        "auto",
+        description="Hybrid KV cache manager (HMA): `true` requires every leaf to "
         "support it (checked when vLLM is installed) and loads the composite as "
         "`KVComposeHMA`; `false` loads it as `KVCompose`, so vLLM turns HMA off; `auto` picks "
         "`KVComposeHMA` when every leaf supports HMA.",
-        json_schema_extra={"anyOf": [{"type": "boolean"}, {"const": "auto"}]})
+        json_schema_extra={"anyOf": [{"type": "boolean"}, {"const": "auto"}]},
+    )
     strict: bool = Field(
-        False, description="Composite strict mode, for connector authors' tests: a child "
+        False,
+        description="Composite strict mode, for connector authors' tests: a child "
         "that breaks vLLM's connector contract raises instead of being corrected and logged. "
         "The composite reads it from `kv_connector_extra_config` (`kvcompose vllm-args` puts "
-        "it there); `KVCOMPOSE_STRICT=1` also turns it on.")
+        "it there); `KVCOMPOSE_STRICT=1` also turns it on.",
+    )
     tree: Node = Field(..., description="The root node.")
 
     @field_validator("version", mode="before")
     @classmethod
     def _version(cls, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool) and value != VERSION:
-            raise custom_error(f"unsupported version {value} (this kvcompose reads version "
-                               f"{VERSION})")
+            raise custom_error(
+                f"unsupported version {value} (this kvcompose reads version {VERSION})"
+            )
         return value
 
     @field_validator("hma", mode="before")
@@ -81,8 +86,7 @@ class Document(_Model):
 
     def transfer_fields(self) -> dict[str, Any]:
         """The top-level ``KVTransferConfig`` fields, which every leaf inherits."""
-        out = {key: getattr(self, key) for key in TRANSFER_FIELDS
-               if getattr(self, key) is not None}
+        out = {key: getattr(self, key) for key in TRANSFER_FIELDS if getattr(self, key) is not None}
         out.update(self.transfer_config)
         return out
 

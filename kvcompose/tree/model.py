@@ -91,11 +91,15 @@ class _Node(_Model):
         return self.kind != "leaf"
 
 
-NodeName = Annotated[str | None, Field(
-    pattern=NAME_PATTERN,
-    description="Unique node name (default: the connector name for a leaf, the kind for a "
-    "composite, made unique with `-2`, `-3`, ...). Used in stats, logs, route rules and "
-    "overrides.")]
+NodeName = Annotated[
+    str | None,
+    Field(
+        pattern=NAME_PATTERN,
+        description="Unique node name (default: the connector name for a leaf, the kind for a "
+        "composite, made unique with `-2`, `-3`, ...). Used in stats, logs, route rules and "
+        "overrides.",
+    ),
+]
 
 
 class Leaf(_Node):
@@ -111,13 +115,19 @@ class Leaf(_Node):
 
     name: NodeName = None
     connector: str = Field(
-        ..., min_length=1, max_length=MAX_NAME_LENGTH,
+        ...,
+        min_length=1,
+        max_length=MAX_NAME_LENGTH,
         description="A registered vLLM connector name (`ExampleConnector`, `NixlConnector`, "
-        "`OffloadingConnector`, ...) or, with `module_path`, a class name in that module.")
+        "`OffloadingConnector`, ...) or, with `module_path`, a class name in that module.",
+    )
     module_path: str | None = Field(
-        None, min_length=1, max_length=MAX_NAME_LENGTH,
+        None,
+        min_length=1,
+        max_length=MAX_NAME_LENGTH,
         description="Python module to import the connector class from "
-        "(vLLM's `kv_connector_module_path`).")
+        "(vLLM's `kv_connector_module_path`).",
+    )
     kv_role: KvRoleField = None
     engine_id: EngineIdField = None
     kv_buffer_device: BufferDeviceField = None
@@ -127,24 +137,30 @@ class Leaf(_Node):
     transfer_config: TransferConfigField = Field(default_factory=dict)
     extra_config: dict[str, Any] = Field(
         default_factory=dict,
-        description="The connector's own `kv_connector_extra_config`, passed as is.")
+        description="The connector's own `kv_connector_extra_config`, passed as is.",
+    )
     save: SaveField = True
     on_error: OnErrorField = "miss"
     params_keys: list[str] | None = Field(
-        None, description="The `kv_transfer_params` keys this connector produces when a "
+        None,
+        description="The `kv_transfer_params` keys this connector produces when a "
         "request finishes. Known P/D connectors (NIXL, Mooncake, MoRIIO) need nothing here; "
-        "set `[]` to declare that a connector produces none. Only used for the clash check.")
+        "set `[]` to declare that a connector produces none. Only used for the clash check.",
+    )
 
     def transfer_fields(self) -> dict[str, Any]:
         """The ``KVTransferConfig`` fields this leaf sets itself."""
-        out = {key: getattr(self, key) for key in TRANSFER_FIELDS
-               if getattr(self, key) is not None}
+        out = {key: getattr(self, key) for key in TRANSFER_FIELDS if getattr(self, key) is not None}
         out.update(self.transfer_config)
         return out
 
 
-Children = Annotated[tuple["Node", ...], Field(
-    strict=False, description="The child nodes, in order.", json_schema_extra={"minItems": 1})]
+Children = Annotated[
+    tuple["Node", ...],
+    Field(
+        strict=False, description="The child nodes, in order.", json_schema_extra={"minItems": 1}
+    ),
+]
 
 
 def _not_empty(value: Any) -> Any:
@@ -161,8 +177,10 @@ class Chain(_Node):
 
     name: NodeName = None
     policy: Literal["first", "longest"] = Field(
-        "first", description="`first`: the first child in order with a hit loads it. "
-        "`longest`: the child with the longest hit loads it (ties go to the earlier child).")
+        "first",
+        description="`first`: the first child in order with a hit loads it. "
+        "`longest`: the child with the longest hit loads it (ties go to the earlier child).",
+    )
     lookup_timeout_s: LookupTimeoutField = DEFAULT_LOOKUP_TIMEOUT_S
     save: SaveField = True
     on_error: OnErrorField = "miss"
@@ -178,7 +196,8 @@ class Fanout(_Node):
 
     name: NodeName = None
     load_from: str | None = Field(
-        None, description="Name of the child that lookups and loads go to; null: never load.")
+        None, description="Name of the child that lookups and loads go to; null: never load."
+    )
     lookup_timeout_s: LookupTimeoutField = DEFAULT_LOOKUP_TIMEOUT_S
     save: SaveField = True
     on_error: OnErrorField = "miss"
@@ -197,15 +216,20 @@ class RouteRule(_Model):
     """
 
     param: str | None = Field(
-        None, description="A key that must be present in the request's `kv_transfer_params`.")
+        None, description="A key that must be present in the request's `kv_transfer_params`."
+    )
     equals: Any = Field(
-        None, description="With `param`: the value that key must have (any JSON value).")
+        None, description="With `param`: the value that key must have (any JSON value)."
+    )
     min_prompt_tokens: int | None = Field(
-        None, ge=0, description="The prompt must have at least this many tokens.")
+        None, ge=0, description="The prompt must have at least this many tokens."
+    )
     max_prompt_tokens: int | None = Field(
-        None, ge=0, description="The prompt must have at most this many tokens.")
+        None, ge=0, description="The prompt must have at most this many tokens."
+    )
     predicate: str | None = Field(
-        None, description="`package.module:function`, called as `function(request) -> bool`.")
+        None, description="`package.module:function`, called as `function(request) -> bool`."
+    )
     child: str = Field(..., description="Name of the child that handles matching requests.")
 
     @property
@@ -216,21 +240,36 @@ class RouteRule(_Model):
     def _conditions(self) -> RouteRule:
         if self.has_equals and self.param is None:
             raise custom_error("'equals' needs 'param' (the kv_transfer_params key to compare)")
-        if (self.param is None and self.min_prompt_tokens is None
-                and self.max_prompt_tokens is None and self.predicate is None):
-            raise custom_error("a rule needs a condition (param, min_prompt_tokens, "
-                               "max_prompt_tokens or predicate); use the route's 'default' for "
-                               "the catch-all child")
-        if (self.min_prompt_tokens is not None and self.max_prompt_tokens is not None
-                and self.min_prompt_tokens > self.max_prompt_tokens):
-            raise custom_error(f"min_prompt_tokens ({self.min_prompt_tokens}) is greater than "
-                               f"max_prompt_tokens ({self.max_prompt_tokens})")
+        if (
+            self.param is None
+            and self.min_prompt_tokens is None
+            and self.max_prompt_tokens is None
+            and self.predicate is None
+        ):
+            raise custom_error(
+                "a rule needs a condition (param, min_prompt_tokens, "
+                "max_prompt_tokens or predicate); use the route's 'default' for "
+                "the catch-all child"
+            )
+        if (
+            self.min_prompt_tokens is not None
+            and self.max_prompt_tokens is not None
+            and self.min_prompt_tokens > self.max_prompt_tokens
+        ):
+            raise custom_error(
+                f"min_prompt_tokens ({self.min_prompt_tokens}) is greater than "
+                f"max_prompt_tokens ({self.max_prompt_tokens})"
+            )
         if self.predicate is not None:
             module, _, attr = self.predicate.partition(":")
-            if not module or not attr or not all(
-                    part.isidentifier() for part in module.split(".") + attr.split(".")):
-                raise custom_error(f"predicate {self.predicate!r} is not of the form "
-                                   "'package.module:function'")
+            if (
+                not module
+                or not attr
+                or not all(part.isidentifier() for part in module.split(".") + attr.split("."))
+            ):
+                raise custom_error(
+                    f"predicate {self.predicate!r} is not of the form 'package.module:function'"
+                )
         return self
 
 
@@ -243,7 +282,8 @@ class Route(_Node):
     name: NodeName = None
     default: str = Field(..., description="Name of the child used when no rule matches.")
     rules: tuple[RouteRule, ...] = Field(
-        (), strict=False, description="Rules, tried in order; the first match wins.")
+        (), strict=False, description="Rules, tried in order; the first match wins."
+    )
     lookup_timeout_s: LookupTimeoutField = DEFAULT_LOOKUP_TIMEOUT_S
     save: SaveField = True
     on_error: OnErrorField = "miss"
@@ -270,16 +310,19 @@ def _node_shape(value: Any) -> Any:
         return value
     kinds = [k for k in NODE_KINDS if k in value]
     if len(kinds) > 1:
-        raise custom_error(f"a node has exactly one kind, got {' and '.join(kinds)}: "
-                           "put the others under 'children'")
+        raise custom_error(
+            f"a node has exactly one kind, got {' and '.join(kinds)}: "
+            "put the others under 'children'"
+        )
     if kinds and value[kinds[0]] is None:
         raise custom_error(f"'{kinds[0]}' is empty")
     if not kinds:
         if "connector" in value:
             raise custom_error("a node needs its kind: write 'leaf: {connector: ...}'")
         if "children" in value:
-            raise custom_error("a node needs its kind: write 'chain:', 'fanout:' or 'route:' "
-                               "above 'children'")
+            raise custom_error(
+                "a node needs its kind: write 'chain:', 'fanout:' or 'route:' above 'children'"
+            )
         if not value:
             raise custom_error("empty node: expected one of leaf, chain, fanout, route")
     return value
@@ -291,18 +334,31 @@ class _DocumentFormSchema:
 
     def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
         bodies = handler(core_schema)["oneOf"]
-        return {"oneOf": [{"type": "object", "properties": {kind: body}, "required": [kind],
-                           "additionalProperties": False}
-                          for kind, body in zip(NODE_KINDS, bodies, strict=True)],
-                "description": "A node: a mapping with exactly one of `leaf`, `chain`, "
-                               "`fanout`, `route`."}
+        return {
+            "oneOf": [
+                {
+                    "type": "object",
+                    "properties": {kind: body},
+                    "required": [kind],
+                    "additionalProperties": False,
+                }
+                for kind, body in zip(NODE_KINDS, bodies, strict=True)
+            ],
+            "description": "A node: a mapping with exactly one of `leaf`, `chain`, "
+            "`fanout`, `route`.",
+        }
 
 
 Node = Annotated[
-    Annotated[Leaf, Tag("leaf")] | Annotated[Chain, Tag("chain")]
-    | Annotated[Fanout, Tag("fanout")] | Annotated[Route, Tag("route")],
-    Discriminator(_kind_of, custom_error_type=NODE_KIND_ERROR,
-                  custom_error_message="expected one of leaf, chain, fanout, route"),
+    Annotated[Leaf, Tag("leaf")]
+    | Annotated[Chain, Tag("chain")]
+    | Annotated[Fanout, Tag("fanout")]
+    | Annotated[Route, Tag("route")],
+    Discriminator(
+        _kind_of,
+        custom_error_type=NODE_KIND_ERROR,
+        custom_error_message="expected one of leaf, chain, fanout, route",
+    ),
     BeforeValidator(_node_shape),
     _DocumentFormSchema(),
 ]
@@ -330,8 +386,9 @@ def dump_node(node: Leaf | Chain | Fanout | Route) -> dict[str, Any]:
     return out
 
 
-def walk(node: Leaf | Chain | Fanout | Route, depth: int = 0
-         ) -> Iterator[tuple[int, Leaf | Chain | Fanout | Route]]:
+def walk(
+    node: Leaf | Chain | Fanout | Route, depth: int = 0
+) -> Iterator[tuple[int, Leaf | Chain | Fanout | Route]]:
     """Depth-first, parents before children."""
     yield depth, node
     if node.composite:

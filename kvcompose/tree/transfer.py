@@ -27,8 +27,11 @@ def transfer_dict(config: Any) -> dict[str, Any]:
 
 def inherited_fields(parent: Mapping[str, Any] | Any) -> dict[str, Any]:
     """Every field the parent sets (``None`` counts as unset) except the connector's own."""
-    return {key: value for key, value in transfer_dict(parent).items()
-            if key not in OWN_FIELDS and value is not None and not key.startswith("_")}
+    return {
+        key: value
+        for key, value in transfer_dict(parent).items()
+        if key not in OWN_FIELDS and value is not None and not key.startswith("_")
+    }
 
 
 def child_transfer_config(parent: Mapping[str, Any] | Any, leaf: Leaf) -> dict[str, Any]:

@@ -29,8 +29,10 @@ MAX_TOKENS = 6
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    return [[4 + (131 * (k + seed) + 17 * i + (i * i) % 11) % 1000 for i in range(length)]
-            for k in range(n)]
+    return [
+        [4 + (131 * (k + seed) + 17 * i + (i * i) % 11) % 1000 for i in range(length)]
+        for k in range(n)
+    ]
 
 
 def engine(model: Path, config: dict[str, Any] | None, **kw: Any) -> Any:
@@ -54,8 +56,7 @@ def test_fanout_save_delete_one_store_load_from_the_other(tiny_model, baseline, 
     tree = kvcompose_config(chain("tiers", example_leaf("a", a), example_leaf("b", b)))
     with engine(tiny_model, tree) as llm:
         assert greedy(llm, prompts(2, 150), MAX_TOKENS) == baseline["short"]
-    assert list(a.rglob("*.safetensors")) and list(b.rglob("*.safetensors")), \
-        "every child saves"
+    assert list(a.rglob("*.safetensors")) and list(b.rglob("*.safetensors")), "every child saves"
     shutil.rmtree(a)
     with engine(tiny_model, tree) as llm:
         assert greedy(llm, prompts(2, 150), MAX_TOKENS) == baseline["short"]
@@ -85,17 +86,25 @@ def fill(model: Path, store: Path, prompt: list[int]) -> None:
 
 
 def test_longest_picks_the_longer_prefix_where_first_picks_the_shorter(
-        tiny_model, baseline, tmp_path):
+    tiny_model, baseline, tmp_path
+):
     (long_prompt,) = prompts(1, 260, seed=5)
     short, deep = tmp_path / "short", tmp_path / "deep"
     fill(tiny_model, short, long_prompt[:70])  # 2 chunks of 32 tokens
     fill(tiny_model, deep, long_prompt)  # 8 chunks (256 tokens of 259)
-    for policy, expected in (("first", {"hit_tokens.short": 64}),
-                             ("longest", {"hit_tokens.deep": 256})):
+    for policy, expected in (
+        ("first", {"hit_tokens.short": 64}),
+        ("longest", {"hit_tokens.deep": 256}),
+    ):
         load_only = {"save": False}
-        tree = kvcompose_config(chain("tiers", prefix_store_leaf("short", short, fields=load_only),
-                                      prefix_store_leaf("deep", deep, fields=load_only),
-                                      policy=policy))
+        tree = kvcompose_config(
+            chain(
+                "tiers",
+                prefix_store_leaf("short", short, fields=load_only),
+                prefix_store_leaf("deep", deep, fields=load_only),
+                policy=policy,
+            )
+        )
         with engine(tiny_model, tree) as llm:
             assert greedy(llm, [long_prompt], MAX_TOKENS) == baseline["long"]
             assert hits(llm) == expected, policy
@@ -105,13 +114,23 @@ def test_nested_tree_end_to_end(tiny_model, baseline, tmp_path):
     """root = chain/longest( route(param "tier"=="fast" → fast, default → chain/first(warm,
     cold)), archive )  — saves everywhere, loads through two levels of nesting."""
     dirs = {n: tmp_path / n for n in ("fast", "warm", "cold", "archive")}
-    route = {"kind": "route", "name": "pick", "default": "slow",
-             "rules": [{"child": "fast", "param": "tier", "equals": "fast"}],
-             "children": [prefix_store_leaf("fast", dirs["fast"]),
-                          chain("slow", prefix_store_leaf("warm", dirs["warm"]),
-                                prefix_store_leaf("cold", dirs["cold"], load_mode="async"))]}
-    tree = kvcompose_config(chain("root", route, prefix_store_leaf("archive", dirs["archive"]),
-                                  policy="longest"))
+    route = {
+        "kind": "route",
+        "name": "pick",
+        "default": "slow",
+        "rules": [{"child": "fast", "param": "tier", "equals": "fast"}],
+        "children": [
+            prefix_store_leaf("fast", dirs["fast"]),
+            chain(
+                "slow",
+                prefix_store_leaf("warm", dirs["warm"]),
+                prefix_store_leaf("cold", dirs["cold"], load_mode="async"),
+            ),
+        ],
+    }
+    tree = kvcompose_config(
+        chain("root", route, prefix_store_leaf("archive", dirs["archive"]), policy="longest")
+    )
     ps = prompts(2, 150)
     with engine(tiny_model, tree) as llm:
         assert greedy(llm, ps, MAX_TOKENS) == baseline["short"]

@@ -21,8 +21,9 @@ def run(llm: Any, requests: dict[str, list[int]], max_tokens: int = 6) -> dict[s
 
     engine = llm.llm_engine
     for req_id, tokens in requests.items():
-        engine.add_request(req_id, TokensPrompt(prompt_token_ids=tokens),
-                           sampling_params(max_tokens))
+        engine.add_request(
+            req_id, TokensPrompt(prompt_token_ids=tokens), sampling_params(max_tokens)
+        )
     out: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -41,11 +42,23 @@ def test_failed_owner_is_skipped_and_the_next_child_serves(tiny_model, tmp_path)
     with make_llm(tiny_model, fill, **kw) as llm:
         run(llm, requests, 1)
     tree = kvcompose_config(
-        chain("tiers", prefix_store_leaf("a", a, load_mode="async", fail_load_request_ids=["r0"],
-                                         fields={"connector": faulty_store.CONNECTOR,
-                                                 "module_path": faulty_store.MODULE_PATH}),
-              prefix_store_leaf("b", b), policy="first"),
-        kv_load_failure_policy="recompute")
+        chain(
+            "tiers",
+            prefix_store_leaf(
+                "a",
+                a,
+                load_mode="async",
+                fail_load_request_ids=["r0"],
+                fields={
+                    "connector": faulty_store.CONNECTOR,
+                    "module_path": faulty_store.MODULE_PATH,
+                },
+            ),
+            prefix_store_leaf("b", b),
+            policy="first",
+        ),
+        kv_load_failure_policy="recompute",
+    )
     with make_llm(tiny_model, tree, **kw) as llm:
         assert run(llm, requests) == baseline
         counters = node_stats(llm)["counters"]

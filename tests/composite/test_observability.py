@@ -54,8 +54,9 @@ def test_two_children_of_one_class_are_reported_apart(tiny_model, tmp_path):
     kv_logger.setLevel(logging.DEBUG)
     vllm_logger.setLevel(logging.INFO)  # whatever VLLM_LOGGING_LEVEL an earlier test set
     try:
-        with make_llm(tiny_model, tree, block_size=32, enable_prefix_caching=False,
-                      disable_log_stats=False) as llm:
+        with make_llm(
+            tiny_model, tree, block_size=32, enable_prefix_caching=False, disable_log_stats=False
+        ) as llm:
             greedy(llm, prompts(2), 2)
             totals = node_stats(llm)["counters"]
             llm.llm_engine.do_log_stats()

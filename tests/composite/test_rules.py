@@ -25,8 +25,9 @@ def test_every_vllm_member_has_a_rule() -> None:
 def test_every_ruled_member_is_implemented_by_the_composite() -> None:
     """Each member is defined by the composite itself, never silently inherited."""
     own = {name for klass in (CompositeConnector, CompositeConnectorHMA) for name in vars(klass)}
-    inherited_ok = {name for name, (rule, _) in RULES.items()
-                    if rule in (Aggregation.OWN, Aggregation.PRIVATE)}
+    inherited_ok = {
+        name for name, (rule, _) in RULES.items() if rule in (Aggregation.OWN, Aggregation.PRIVATE)
+    }
     missing = sorted(set(RULES) - own - inherited_ok)
     assert not missing, f"members with a rule but no composite implementation: {missing}"
 

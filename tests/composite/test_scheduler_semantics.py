@@ -126,9 +126,14 @@ def test_zero_async_raises_in_strict_mode(harness):
 def test_zero_async_crashes_the_scheduler_without_a_guard(harness):
     """The naive behaviour: hand the child's (0, True) straight to vLLM's scheduler."""
     script("a", Behaviour(break_zero_async=True))
-    h = harness({"kv_connector": "ScriptedConnector", "kv_role": "kv_both",
-                 "kv_connector_module_path": "kvcompose.testing.scripted",
-                 "kv_connector_extra_config": {"script": "a"}})
+    h = harness(
+        {
+            "kv_connector": "ScriptedConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "kvcompose.testing.scripted",
+            "kv_connector_extra_config": {"script": "a"},
+        }
+    )
     h.add_request(prompt(40))
     with pytest.raises(AssertionError):
         h.step()
@@ -267,8 +272,11 @@ def test_params_from_several_children_are_merged(harness):
     h = harness(kvcompose_config(chain("root", leaf("a"), leaf("b"))))
     req = h.add_request(prompt(40), max_tokens=1)
     results = h.run_until_idle()
-    params = [r.finished[req.request_id].kv_transfer_params for r in results
-              if req.request_id in r.finished]
+    params = [
+        r.finished[req.request_id].kv_transfer_params
+        for r in results
+        if req.request_id in r.finished
+    ]
     assert params == [{"x": 1, "y": 2}]
     h.assert_clean()
 
@@ -286,8 +294,9 @@ def test_params_clash_names_both_children(harness):
 def test_total_load_failure_falls_back_to_the_next_child(harness):
     a = script("a", Behaviour(tokens=64, is_async=True, load="fail"))
     b = script("b", Behaviour(tokens=48))
-    h = harness(kvcompose_config(chain("root", leaf("a"), leaf("b"))),
-                kv_load_failure_policy="recompute")
+    h = harness(
+        kvcompose_config(chain("root", leaf("a"), leaf("b"))), kv_load_failure_policy="recompute"
+    )
     req = h.add_request(prompt(80), max_tokens=2)
     h.run_until_idle()
     rid = req.request_id
@@ -301,8 +310,9 @@ def test_load_failure_with_fail_policy_finishes_the_request_with_an_error(harnes
     h = harness(kvcompose_config(chain("root", leaf("a"))), kv_load_failure_policy="fail")
     req = h.add_request(prompt(80), max_tokens=2)
     results = h.run_until_idle()
-    reasons = [r.finished[req.request_id].finish_reason for r in results
-               if req.request_id in r.finished]
+    reasons = [
+        r.finished[req.request_id].finish_reason for r in results if req.request_id in r.finished
+    ]
     assert reasons and "error" in str(reasons[0]).lower()
     h.assert_clean()
 
@@ -348,9 +358,13 @@ def test_preempted_request_is_looked_up_again(harness):
 def test_route_by_kv_transfer_params(harness):
     a = script("a", Behaviour(tokens=32))
     b = script("b", Behaviour(tokens=64))
-    tree = {"kind": "route", "name": "root", "default": "a",
-            "rules": [{"child": "b", "param": "tier", "equals": "b"}],
-            "children": [leaf("a"), leaf("b")]}
+    tree = {
+        "kind": "route",
+        "name": "root",
+        "default": "a",
+        "rules": [{"child": "b", "param": "tier", "equals": "b"}],
+        "children": [leaf("a"), leaf("b")],
+    }
     h = harness(kvcompose_config(tree))
     to_b = h.add_request(prompt(80, 1), kv_transfer_params={"tier": "b"})
     to_a = h.add_request(prompt(80, 2), kv_transfer_params={"tier": "other"})
@@ -365,9 +379,13 @@ def test_route_by_kv_transfer_params(harness):
 def test_route_with_malformed_params_falls_back_to_default(harness):
     script("a", Behaviour(tokens=32))
     script("b", Behaviour(tokens=64))
-    tree = {"kind": "route", "name": "root", "default": "a",
-            "rules": [{"child": "b", "param": "tier"}],
-            "children": [leaf("a"), leaf("b")]}
+    tree = {
+        "kind": "route",
+        "name": "root",
+        "default": "a",
+        "rules": [{"child": "b", "param": "tier"}],
+        "children": [leaf("a"), leaf("b")],
+    }
     h = harness(kvcompose_config(tree))
     req = h.add_request(prompt(80), kv_transfer_params={"tier": None})
     h.step()
@@ -379,8 +397,7 @@ def test_route_with_malformed_params_falls_back_to_default(harness):
 def test_fanout_loads_only_from_the_designated_child_and_saves_to_all(harness):
     a = script("a", Behaviour(tokens=64))
     b = script("b", Behaviour(tokens=32))
-    tree = {"kind": "fanout", "name": "root", "load_from": "b",
-            "children": [leaf("a"), leaf("b")]}
+    tree = {"kind": "fanout", "name": "root", "load_from": "b", "children": [leaf("a"), leaf("b")]}
     h = harness(kvcompose_config(tree))
     req = h.add_request(prompt(80))
     h.run_until_idle()
@@ -409,9 +426,13 @@ def test_two_levels_of_nesting(harness):
     slow2 = script("slow2", Behaviour(tokens=48, is_async=True, load_steps=2))
     disk = script("disk", Behaviour(tokens=16, delay_free=True, send_steps=2))
     inner = chain("slow", leaf("slow1"), leaf("slow2"))
-    route = {"kind": "route", "name": "pick", "default": "slow",
-             "rules": [{"child": "fast", "param": "fast"}],
-             "children": [leaf("fast"), inner]}
+    route = {
+        "kind": "route",
+        "name": "pick",
+        "default": "slow",
+        "rules": [{"child": "fast", "param": "fast"}],
+        "children": [leaf("fast"), inner],
+    }
     h = harness(kvcompose_config(chain("root", route, leaf("disk"), policy="longest")))
     r_fast = h.add_request(prompt(80, 1), kv_transfer_params={"fast": True}, max_tokens=2)
     r_slow = h.add_request(prompt(80, 2), max_tokens=2)
@@ -532,10 +553,13 @@ def test_on_error_fail_lets_the_error_through(harness):
 def test_route_rules_that_cannot_be_evaluated_fall_back_to_the_default(harness):
     script("a", Behaviour(tokens=32))
     b = script("b", Behaviour(tokens=64))
-    tree = {"kind": "route", "name": "root", "default": "a",
-            "rules": [{"child": "b",
-                       "predicate": "kvcompose.testing.trees:predicate_reading_params"}],
-            "children": [leaf("a"), leaf("b")]}
+    tree = {
+        "kind": "route",
+        "name": "root",
+        "default": "a",
+        "rules": [{"child": "b", "predicate": "kvcompose.testing.trees:predicate_reading_params"}],
+        "children": [leaf("a"), leaf("b")],
+    }
     h = harness(kvcompose_config(tree))
     high = h.add_request(prompt(80, 1), kv_transfer_params={"priority": 9})
     missing = h.add_request(prompt(80, 2), kv_transfer_params={"other": 1})
@@ -555,11 +579,15 @@ def test_a_child_raising_while_loading_fails_only_its_own_load(harness, is_async
     """a raises in start_load_kv for r_a's load: r_a's load is reported failed (async: a
     failed receive; sync: its blocks as invalid) and recomputed, r_b's load by b is
     untouched, and nothing hangs."""
-    a = script("a", Behaviour(), r_a=Behaviour(tokens=48, is_async=is_async,
-                                               raise_in=frozenset({"start_load_kv"})))
+    a = script(
+        "a",
+        Behaviour(),
+        r_a=Behaviour(tokens=48, is_async=is_async, raise_in=frozenset({"start_load_kv"})),
+    )
     b = script("b", Behaviour(), r_b=Behaviour(tokens=48, is_async=is_async))
-    h = harness(kvcompose_config(chain("root", leaf("a"), leaf("b"))),
-                kv_load_failure_policy="recompute")
+    h = harness(
+        kvcompose_config(chain("root", leaf("a"), leaf("b"))), kv_load_failure_policy="recompute"
+    )
     h.add_request(prompt(80, 1), request_id="r_a", max_tokens=2)
     h.add_request(prompt(80, 2), request_id="r_b", max_tokens=2)
     results = h.run_until_idle()
@@ -570,7 +598,7 @@ def test_a_child_raising_while_loading_fails_only_its_own_load(harness, is_async
         assert failed == {"r_a"}, "a's load is reported failed, b's is not"
     else:
         invalid = set().union(*(o.invalid_block_ids for o in outputs))
-        (_, a_blocks), = [x for x in a.allocations("r_a") if x[0] > 0]
+        ((_, a_blocks),) = [x for x in a.allocations("r_a") if x[0] > 0]
         assert invalid and invalid <= set(a_blocks), "only a's loaded blocks are reported"
     assert ext_allocs(b, "r_b")[0] == 48
     assert h.finished["r_a"].finish_reason is not None and h.finished["r_b"] is not None

@@ -49,8 +49,9 @@ def test_validate_ok_and_bad(run_cli, tmp_path: Path) -> None:
     code, out, err = run_cli("validate", "--offline", str(TIERS), str(bad))
     assert code == 1
     assert out == f"{TIERS}: ok (3 nodes, 2 leaves; vLLM not checked)\n"
-    assert err == (f"{bad}:2: tree.leaf.conector: unknown key 'conector' (did you mean "
-                   "'connector'?)\n")
+    assert err == (
+        f"{bad}:2: tree.leaf.conector: unknown key 'conector' (did you mean 'connector'?)\n"
+    )
     code, out, err = run_cli("validate", "--offline", "-q", str(TIERS))
     assert (code, out, err) == (0, "", "")
 
@@ -69,24 +70,29 @@ def test_validate_all_errors_and_strict(run_cli, tmp_path: Path) -> None:
 
 
 def test_validate_applies_env_and_set(run_cli) -> None:
-    code, _, err = run_cli("validate", "--offline", str(TIERS),
-                           env={"KVCOMPOSE_SET": "nvme.save=maybe"})
+    code, _, err = run_cli(
+        "validate", "--offline", str(TIERS), env={"KVCOMPOSE_SET": "nvme.save=maybe"}
+    )
     assert code == 1 and err.startswith("KVCOMPOSE_SET 'nvme.save=maybe': ")
-    code, _, _ = run_cli("validate", "--offline", "--no-env", str(TIERS),
-                         env={"KVCOMPOSE_SET": "nvme.save=maybe"})
+    code, _, _ = run_cli(
+        "validate", "--offline", "--no-env", str(TIERS), env={"KVCOMPOSE_SET": "nvme.save=maybe"}
+    )
     assert code == 0
     code, _, err = run_cli("validate", "--offline", str(TIERS), "--set", "tiers.policy=best")
     assert code == 1 and err.startswith("--set 'tiers.policy=best': tree.chain.policy: must be")
 
 
-@pytest.mark.parametrize("args", [
-    ["validate", "/no/such/file.yaml"],
-    ["explain", "/no/such/file.yaml"],
-    ["vllm-args", "/no/such/file.yaml"],
-    ["convert", "/no/such/file.yaml"],
-    ["validate", "--bogus-flag", "x"],
-    ["frobnicate"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["validate", "/no/such/file.yaml"],
+        ["explain", "/no/such/file.yaml"],
+        ["vllm-args", "/no/such/file.yaml"],
+        ["convert", "/no/such/file.yaml"],
+        ["validate", "--bogus-flag", "x"],
+        ["frobnicate"],
+    ],
+)
 def test_never_a_traceback(run_cli, args: list[str]) -> None:
     code, _, err = run_cli(*args)
     assert code in (1, 2)
@@ -116,8 +122,9 @@ def test_internal_errors_are_one_line(run_cli, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(validate_cmd, "run", boom)
     code, _, err = run_cli("validate", str(TIERS))
     assert code == 3
-    assert err == ("kvcompose: internal error: RuntimeError: kaput (set KVCOMPOSE_DEBUG=1 for "
-                   "the traceback)\n")
+    assert err == (
+        "kvcompose: internal error: RuntimeError: kaput (set KVCOMPOSE_DEBUG=1 for the traceback)\n"
+    )
 
 
 def test_explain_offline(run_cli) -> None:
@@ -144,9 +151,11 @@ def test_explain_with_vllm(run_cli) -> None:
 
 def test_explain_marks_non_saving_leaves(run_cli, tmp_path: Path) -> None:
     path = tmp_path / "t.yaml"
-    path.write_text("kv_role: kv_both\ntree:\n  fanout:\n    load_from: a\n    save: false\n"
-                    "    children:\n      - leaf: {name: a, connector: A}\n"
-                    "      - leaf: {name: b, connector: B, save: false}\n")
+    path.write_text(
+        "kv_role: kv_both\ntree:\n  fanout:\n    load_from: a\n    save: false\n"
+        "    children:\n      - leaf: {name: a, connector: A}\n"
+        "      - leaf: {name: b, connector: B, save: false}\n"
+    )
     code, out, _ = run_cli("explain", "--offline", str(path))
     assert code == 0
     assert "loads a  leaf A  no save (an ancestor has save: false)" in out
@@ -163,17 +172,16 @@ def test_vllm_args_json_round_trips(run_cli) -> None:
         assert data["kv_connector_module_path"] == "kvcompose"
         assert data["kv_role"] == "kv_both"
         config = load_config(str(example), env={}, check_vllm=False)
-        tree = tree_from_extra_config(data["kv_connector_extra_config"], env={},
-                                      check_vllm=False)
+        tree = tree_from_extra_config(data["kv_connector_extra_config"], env={}, check_vllm=False)
         # the same tree once the top-level fields are inherited from the vLLM config
         from kvcompose.config import child_transfer_config
         from kvcompose.tree import leaves
 
         parent = {k: v for k, v in data.items() if k != "kv_connector_extra_config"}
-        assert [child_transfer_config(parent, leaf) for leaf in leaves(tree)] == \
-            [child_transfer_config(parent, leaf) for leaf in leaves(config.tree)]
-        assert [leaf.name for leaf in leaves(tree)] == [leaf.name for leaf in
-                                                         leaves(config.tree)]
+        assert [child_transfer_config(parent, leaf) for leaf in leaves(tree)] == [
+            child_transfer_config(parent, leaf) for leaf in leaves(config.tree)
+        ]
+        assert [leaf.name for leaf in leaves(tree)] == [leaf.name for leaf in leaves(config.tree)]
 
 
 def test_vllm_args_output_is_loadable_by_kvcompose(run_cli, tmp_path: Path) -> None:
@@ -187,8 +195,9 @@ def test_vllm_args_output_is_loadable_by_kvcompose(run_cli, tmp_path: Path) -> N
 
 
 def test_vllm_args_by_path(run_cli, tmp_path: Path) -> None:
-    code, out, _ = run_cli("vllm-args", "--offline", "--json", "--by-path", str(TIERS),
-                           "--set", "nvme.save=false")
+    code, out, _ = run_cli(
+        "vllm-args", "--offline", "--json", "--by-path", str(TIERS), "--set", "nvme.save=false"
+    )
     assert code == 0
     extra = json.loads(out)["kv_connector_extra_config"]
     assert extra == {"config": str(TIERS.resolve()), "set": {"nvme.save": False}}
@@ -199,12 +208,11 @@ def test_vllm_args_by_path(run_cli, tmp_path: Path) -> None:
 def test_vllm_args_default_output_and_python(run_cli) -> None:
     code, out, _ = run_cli("vllm-args", "--offline", str(TIERS))
     assert code == 0
-    assert "--kv-transfer-config '{\"kv_connector\":\"KVCompose\"" in out
+    assert '--kv-transfer-config \'{"kv_connector":"KVCompose"' in out
     assert "kv_transfer_config = KVTransferConfig(" in out
     code, out, _ = run_cli("vllm-args", "--offline", "--python", "--no-module-path", str(TIERS))
     namespace: dict = {}
-    source = out.replace("from vllm.config import KVTransferConfig",
-                         "KVTransferConfig = dict")
+    source = out.replace("from vllm.config import KVTransferConfig", "KVTransferConfig = dict")
     exec(compile(source, "<vllm-args>", "exec"), namespace)
     built = namespace["kv_transfer_config"]
     assert built["kv_connector"] == "KVCompose" and "kv_connector_module_path" not in built
@@ -216,10 +224,13 @@ def test_vllm_args_needs_kv_role(run_cli, tmp_path: Path) -> None:
     path.write_text("tree:\n  leaf: {connector: A}\n")
     code, _, err = run_cli("vllm-args", "--offline", str(path))
     assert code == 1
-    assert err == (f"{path}:1: kv_role: required to start vLLM: set kv_role at the top of the "
-                   "config (kv_producer, kv_consumer or kv_both)\n")
-    code, out, _ = run_cli("vllm-args", "--offline", "--json", str(path),
-                           "--set", "kv_role=kv_consumer")
+    assert err == (
+        f"{path}:1: kv_role: required to start vLLM: set kv_role at the top of the "
+        "config (kv_producer, kv_consumer or kv_both)\n"
+    )
+    code, out, _ = run_cli(
+        "vllm-args", "--offline", "--json", str(path), "--set", "kv_role=kv_consumer"
+    )
     assert code == 0 and json.loads(out)["kv_role"] == "kv_consumer"
 
 
@@ -230,11 +241,11 @@ def test_convert_both_ways(run_cli, tmp_path: Path) -> None:
     assert "now inherits kv_load_failure_policy='recompute'" in err
     yaml_file = tmp_path / "converted.yaml"
     yaml_file.write_text(out)
-    original = load_config(str(EXAMPLES / "multiconnector-dropin.json"), env={},
-                           check_vllm=False)
+    original = load_config(str(EXAMPLES / "multiconnector-dropin.json"), env={}, check_vllm=False)
     assert load_config(str(yaml_file), env={}, check_vllm=False).tree == original.tree
-    code, out, _ = run_cli("convert", "--offline", "--compat", str(yaml_file),
-                           "-o", str(tmp_path / "back.json"))
+    code, out, _ = run_cli(
+        "convert", "--offline", "--compat", str(yaml_file), "-o", str(tmp_path / "back.json")
+    )
     assert code == 0 and out == ""
     back = json.loads((tmp_path / "back.json").read_text())
     assert back["kv_connector_module_path"] == "kvcompose.compat"
@@ -274,21 +285,38 @@ def test_module_entry_point_runs_as_a_program(tmp_path: Path) -> None:
     exit codes, output on the right streams."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("tree:\n  route:\n    children: [{leaf: {connector: A}}]\n")
-    proc = subprocess.run([sys.executable, "-m", "kvcompose.cli", "validate", "--offline",
-                           str(TIERS), str(bad)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcompose.cli", "validate", "--offline", str(TIERS), str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert proc.stdout == f"{TIERS}: ok (3 nodes, 2 leaves; vLLM not checked)\n"
-    assert proc.stderr == (f"{bad}:2: tree.route: missing required key 'default': a route "
-                           "needs a default child, used when no rule matches\n")
+    assert proc.stderr == (
+        f"{bad}:2: tree.route: missing required key 'default': a route "
+        "needs a default child, used when no rule matches\n"
+    )
 
 
 @needs_vllm
 def test_vllm_args_stdout_is_clean_json_with_vllm(tmp_path: Path) -> None:
     """vLLM logs to stdout when imported; the CLI keeps it quiet so the output pipes."""
-    proc = subprocess.run([sys.executable, "-m", "kvcompose.cli", "vllm-args", "--json",
-                           str(EXAMPLES / "pd-disk-tier.yaml")], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvcompose.cli",
+            "vllm-args",
+            "--json",
+            str(EXAMPLES / "pd-disk-tier.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["kv_connector"] == "KVCompose"
 
@@ -299,21 +327,39 @@ def test_internal_form_files_are_validated_and_convertible(run_cli, tmp_path: Pa
     from kvcompose.testing.trees import chain, kvcompose_config
 
     good = tmp_path / "good.json"
-    good.write_text(json.dumps(kvcompose_config(chain("root", {
-        "kind": "leaf", "name": "a", "connector": "ExampleConnector"},
-        {"kind": "leaf", "name": "b", "connector": "ExampleConnector"}))))
+    good.write_text(
+        json.dumps(
+            kvcompose_config(
+                chain(
+                    "root",
+                    {"kind": "leaf", "name": "a", "connector": "ExampleConnector"},
+                    {"kind": "leaf", "name": "b", "connector": "ExampleConnector"},
+                )
+            )
+        )
+    )
     code, out, err = run_cli("validate", "--offline", str(good))
     assert (code, err) == (0, "")
     code, out, _ = run_cli("convert", "--offline", str(good))
     assert code == 0 and "name: root" in out and "kv_role: kv_both" in out
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps(kvcompose_config(chain("root", {
-        "kind": "leaf", "name": "a", "connector": "ExampleConnector"},
-        {"kind": "leaf", "name": "a", "connector": "ExampleConnector"}))))
+    bad.write_text(
+        json.dumps(
+            kvcompose_config(
+                chain(
+                    "root",
+                    {"kind": "leaf", "name": "a", "connector": "ExampleConnector"},
+                    {"kind": "leaf", "name": "a", "connector": "ExampleConnector"},
+                )
+            )
+        )
+    )
     code, _, err = run_cli("validate", "--offline", str(bad))
     assert code == 1
-    assert err == (f"{bad}: tree.chain.children[1].leaf.name: duplicate node name 'a' (also "
-                   "used at tree.chain.children[0].leaf.name)\n")
+    assert err == (
+        f"{bad}: tree.chain.children[1].leaf.name: duplicate node name 'a' (also "
+        "used at tree.chain.children[0].leaf.name)\n"
+    )
 
 
 def test_standard_input(run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -322,12 +368,12 @@ def test_standard_input(run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO("tree:\n  leaf: {conector: A}\n"))
     code, _, err = run_cli("validate", "--offline", "-")
     assert code == 1
-    assert err == "<stdin>:2: tree.leaf.conector: unknown key 'conector' (did you mean " \
-                  "'connector'?)\n"
+    assert (
+        err == "<stdin>:2: tree.leaf.conector: unknown key 'conector' (did you mean 'connector'?)\n"
+    )
     monkeypatch.setattr(sys, "stdin", io.StringIO(TIERS.read_text()))
     code, out, _ = run_cli("vllm-args", "--offline", "--json", "-")
     assert code == 0 and json.loads(out)["kv_connector_extra_config"]["tree"]
     monkeypatch.setattr(sys, "stdin", io.StringIO(TIERS.read_text()))
     code, _, err = run_cli("vllm-args", "--offline", "--by-path", "-")
-    assert (code, err) == (1, "<stdin>: this config does not come from a file: print it "
-                              "inline\n")
+    assert (code, err) == (1, "<stdin>: this config does not come from a file: print it inline\n")

@@ -12,7 +12,8 @@ def test_docs_config_md_is_up_to_date() -> None:
     current = (ROOT / "docs" / "config.md").read_text()
     assert current == render_markdown(), (
         "docs/config.md is stale: regenerate it with "
-        "`.venv/bin/python -m kvcompose.cli schema --markdown -o docs/config.md`")
+        "`.venv/bin/python -m kvcompose.cli schema --markdown -o docs/config.md`"
+    )
 
 
 def test_every_field_is_documented() -> None:

@@ -16,8 +16,12 @@ FILES = sorted(p for p in EXAMPLES.iterdir() if p.suffix in (".yaml", ".yml", ".
 
 def test_the_issue_examples_exist() -> None:
     names = {p.name for p in FILES}
-    assert {"pd-disk-tier.yaml", "two-disk-tiers.yaml", "route-by-params.yaml",
-            "multiconnector-dropin.json"} <= names
+    assert {
+        "pd-disk-tier.yaml",
+        "two-disk-tiers.yaml",
+        "route-by-params.yaml",
+        "multiconnector-dropin.json",
+    } <= names
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
@@ -82,5 +86,4 @@ def test_vllm_resolves_the_printed_config(path: Path, by_path: bool) -> None:
     cls = KVConnectorFactory.get_connector_class(ktc)
     assert cls.__name__ == data["kv_connector"]
     assert cls.requires_piecewise_for_cudagraph(ktc.kv_connector_extra_config) is False
-    assert KVConnectorFactory.supports_hma_config(ktc) is (data["kv_connector"] ==
-                                                          "KVComposeHMA")
+    assert KVConnectorFactory.supports_hma_config(ktc) is (data["kv_connector"] == "KVComposeHMA")

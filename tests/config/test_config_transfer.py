@@ -10,28 +10,44 @@ from kvcompose.config import child_transfer_config, load_tree
 from kvcompose.tree import Leaf
 
 PARENT = {
-    "kv_connector": "KVCompose", "kv_connector_module_path": "kvcompose",
-    "kv_connector_extra_config": {"tree": {}}, "engine_id": "engine-0", "kv_role": "kv_both",
-    "kv_buffer_device": "cpu", "kv_port": 14579, "enable_permute_local_kv": False,
+    "kv_connector": "KVCompose",
+    "kv_connector_module_path": "kvcompose",
+    "kv_connector_extra_config": {"tree": {}},
+    "engine_id": "engine-0",
+    "kv_role": "kv_both",
+    "kv_buffer_device": "cpu",
+    "kv_port": 14579,
+    "enable_permute_local_kv": False,
     "kv_load_failure_policy": "recompute",
 }
 
 
 def test_inherits_everything_but_the_connector_identity() -> None:
-    leaf = Leaf(name="disk", connector="ExampleConnector",
-                    extra_config={"shared_storage_path": "/kv"})
+    leaf = Leaf(
+        name="disk", connector="ExampleConnector", extra_config={"shared_storage_path": "/kv"}
+    )
     assert child_transfer_config(PARENT, leaf) == {
-        "engine_id": "engine-0", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-        "kv_port": 14579, "enable_permute_local_kv": False,
+        "engine_id": "engine-0",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "kv_port": 14579,
+        "enable_permute_local_kv": False,
         "kv_load_failure_policy": "recompute",
-        "kv_connector": "ExampleConnector", "kv_connector_module_path": None,
+        "kv_connector": "ExampleConnector",
+        "kv_connector_module_path": None,
         "kv_connector_extra_config": {"shared_storage_path": "/kv"},
     }
 
 
 def test_leaf_fields_override() -> None:
-    leaf = Leaf(name="nixl", connector="NixlConnector", module_path="my.nixl",
-                    kv_role="kv_consumer", engine_id="pd-7", transfer_config={"new_field": 3})
+    leaf = Leaf(
+        name="nixl",
+        connector="NixlConnector",
+        module_path="my.nixl",
+        kv_role="kv_consumer",
+        engine_id="pd-7",
+        transfer_config={"new_field": 3},
+    )
     out = child_transfer_config(PARENT, leaf)
     assert out["kv_role"] == "kv_consumer"
     assert out["engine_id"] == "pd-7"
@@ -69,15 +85,42 @@ def test_builds_kv_transfer_configs_vllm_accepts() -> None:
 
     from vllm.config import KVTransferConfig
 
-    parent = KVTransferConfig(kv_connector="KVCompose", kv_connector_module_path="kvcompose",
-                              kv_role="kv_producer", kv_buffer_device="cpu",
-                              kv_load_failure_policy="recompute", engine_id="e0",
-                              kv_connector_extra_config={"tree": {}})
-    tree = load_tree({"tree": {"chain": {"children": [
-        {"leaf": {"name": "a", "connector": "ExampleConnector",
-                  "extra_config": {"shared_storage_path": "/kv"}}},
-        {"leaf": {"name": "b", "connector": "NixlConnector", "engine_id": "pd-1",
-                  "kv_role": "kv_both"}}]}}}, env={}, check_vllm=False)
+    parent = KVTransferConfig(
+        kv_connector="KVCompose",
+        kv_connector_module_path="kvcompose",
+        kv_role="kv_producer",
+        kv_buffer_device="cpu",
+        kv_load_failure_policy="recompute",
+        engine_id="e0",
+        kv_connector_extra_config={"tree": {}},
+    )
+    tree = load_tree(
+        {
+            "tree": {
+                "chain": {
+                    "children": [
+                        {
+                            "leaf": {
+                                "name": "a",
+                                "connector": "ExampleConnector",
+                                "extra_config": {"shared_storage_path": "/kv"},
+                            }
+                        },
+                        {
+                            "leaf": {
+                                "name": "b",
+                                "connector": "NixlConnector",
+                                "engine_id": "pd-1",
+                                "kv_role": "kv_both",
+                            }
+                        },
+                    ]
+                }
+            }
+        },
+        env={},
+        check_vllm=False,
+    )
     as_dict = {f.name: getattr(parent, f.name) for f in dataclasses.fields(parent)}
     for child in tree.children:
         for source in (as_dict, parent):  # a plain dict, or the dataclass itself

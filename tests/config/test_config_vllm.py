@@ -12,17 +12,28 @@ from kvcompose.config.render import composite_class
 
 
 def tree(*leaves: dict, hma: object = "auto") -> dict:
-    return {"kv_role": "kv_both", "hma": hma,
-            "tree": {"chain": {"children": [{"leaf": leaf} for leaf in leaves]}}}
+    return {
+        "kv_role": "kv_both",
+        "hma": hma,
+        "tree": {"chain": {"children": [{"leaf": leaf} for leaf in leaves]}},
+    }
 
 
 @needs_vllm
 def test_facts_hma_layout_piecewise() -> None:
-    config = load_config(tree({"name": "nixl", "connector": "NixlConnector"},
-                              {"name": "lmc", "connector": "LMCacheConnectorV1",
-                               "extra_config": {"use_layerwise": True}},
-                              {"name": "hs", "connector": "ExampleHiddenStatesConnector"}),
-                         env={}, check_vllm=True)
+    config = load_config(
+        tree(
+            {"name": "nixl", "connector": "NixlConnector"},
+            {
+                "name": "lmc",
+                "connector": "LMCacheConnectorV1",
+                "extra_config": {"use_layerwise": True},
+            },
+            {"name": "hs", "connector": "ExampleHiddenStatesConnector"},
+        ),
+        env={},
+        check_vllm=True,
+    )
     facts = config.facts
     assert facts is not None
     assert facts.leaves["nixl"].class_name == "NixlPullConnector"
@@ -37,19 +48,27 @@ def test_facts_hma_layout_piecewise() -> None:
 
 @needs_vllm
 def test_class_choice_follows_hma() -> None:
-    hma_leaves = ({"name": "nixl", "connector": "NixlConnector"},
-                  {"name": "off", "connector": "OffloadingConnector"})
-    assert composite_class(load_config(tree(*hma_leaves), env={}, check_vllm=True)) == \
-        "KVComposeHMA"
-    assert composite_class(load_config(tree(*hma_leaves, hma=False), env={},
-                                       check_vllm=True)) == "KVCompose"
-    assert composite_class(load_config(tree(*hma_leaves, hma=True), env={},
-                                       check_vllm=True)) == "KVComposeHMA"
+    hma_leaves = (
+        {"name": "nixl", "connector": "NixlConnector"},
+        {"name": "off", "connector": "OffloadingConnector"},
+    )
+    assert (
+        composite_class(load_config(tree(*hma_leaves), env={}, check_vllm=True)) == "KVComposeHMA"
+    )
+    assert (
+        composite_class(load_config(tree(*hma_leaves, hma=False), env={}, check_vllm=True))
+        == "KVCompose"
+    )
+    assert (
+        composite_class(load_config(tree(*hma_leaves, hma=True), env={}, check_vllm=True))
+        == "KVComposeHMA"
+    )
     # without the vLLM check, auto cannot know: the safe class
-    assert composite_class(load_config(tree(*hma_leaves), env={}, check_vllm=False)) == \
-        "KVCompose"
-    assert composite_class(load_config(tree(*hma_leaves, hma=True), env={},
-                                       check_vllm=False)) == "KVComposeHMA"
+    assert composite_class(load_config(tree(*hma_leaves), env={}, check_vllm=False)) == "KVCompose"
+    assert (
+        composite_class(load_config(tree(*hma_leaves, hma=True), env={}, check_vllm=False))
+        == "KVComposeHMA"
+    )
 
 
 @needs_vllm
@@ -57,12 +76,19 @@ def test_checks_run_for_the_extra_config_forms() -> None:
     from kvcompose.config import tree_from_extra_config
 
     with pytest.raises(ConfigError) as info:
-        tree_from_extra_config({"connectors": [
-            {"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
-            {"kv_connector": "NixlConector", "kv_role": "kv_both"}]}, env={})
+        tree_from_extra_config(
+            {
+                "connectors": [
+                    {"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
+                    {"kv_connector": "NixlConector", "kv_role": "kv_both"},
+                ]
+            },
+            env={},
+        )
     assert str(info.value).startswith(
         "kv_connector_extra_config: connectors[1].kv_connector: unknown connector "
-        "'NixlConector' (did you mean 'NixlConnector'?); known: ")
+        "'NixlConector' (did you mean 'NixlConnector'?); known: "
+    )
 
 
 @needs_vllm
@@ -74,11 +100,15 @@ def test_vllm_rejects_child_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(KVTransferConfig, "__post_init__", reject)
     with pytest.raises(ConfigError) as info:
-        load_config(tree({"connector": "ExampleConnector", "kv_buffer_device": "tpu"}),
-                    env={}, check_vllm=True)
+        load_config(
+            tree({"connector": "ExampleConnector", "kv_buffer_device": "tpu"}),
+            env={},
+            check_vllm=True,
+        )
     assert str(info.value) == (
         "tree.chain.children[0].leaf: vLLM rejects this child's KVTransferConfig: "
-        "kv_buffer_device 'tpu' is not supported")
+        "kv_buffer_device 'tpu' is not supported"
+    )
 
 
 def test_offline_skips_vllm_checks() -> None:
@@ -118,8 +148,9 @@ def test_register_is_idempotent_and_lazy(caplog: pytest.LogCaptureFixture) -> No
 
 
 @needs_vllm
-def test_register_leaves_foreign_names_alone(monkeypatch: pytest.MonkeyPatch,
-                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_register_leaves_foreign_names_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     from kvcompose.plugin import register
@@ -134,8 +165,7 @@ def test_register_leaves_foreign_names_alone(monkeypatch: pytest.MonkeyPatch,
     register()
     assert KVConnectorFactory._registry["KVCompose"] is foreign
     assert "KVComposeHMA" in KVConnectorFactory._registry
-    assert any("already registered by another package" in r.getMessage()
-               for r in caplog.records)
+    assert any("already registered by another package" in r.getMessage() for r in caplog.records)
 
 
 def test_register_without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,14 +179,20 @@ def test_register_without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_vllm
 def test_layout_facts_and_conflict_warning() -> None:
-    config = load_config(tree({"name": "nixl", "connector": "NixlConnector"},
-                              {"name": "hisparse", "connector": "HiSparseConnector"},
-                              {"name": "disk", "connector": "ExampleConnector"}),
-                         env={}, check_vllm=True)
+    config = load_config(
+        tree(
+            {"name": "nixl", "connector": "NixlConnector"},
+            {"name": "hisparse", "connector": "HiSparseConnector"},
+            {"name": "disk", "connector": "ExampleConnector"},
+        ),
+        env={},
+        check_vllm=True,
+    )
     leaves = config.facts.leaves
     assert (leaves["nixl"].layout, leaves["nixl"].layout_scope) == ("LBHNC", "non-MLA models")
     assert (leaves["hisparse"].layout, leaves["hisparse"].layout_scope) == ("BLHNC", "")
     assert leaves["disk"].layout is None
     assert config.warnings == (
         "leaves require different KV cache layouts: LBHNC (nixl); BLHNC (hisparse); the "
-        "composite refuses to start where these apply",)
+        "composite refuses to start where these apply",
+    )

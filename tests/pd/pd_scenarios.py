@@ -59,22 +59,33 @@ def prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
 
 
 def nixl_leaf(lease_s: int = LEASE_S) -> dict[str, Any]:
-    return {"kind": "leaf", "name": "nixl", "connector": "NixlConnector",
-            "extra_config": {"backends": ["UCX"], "kv_lease_duration": lease_s}}
+    return {
+        "kind": "leaf",
+        "name": "nixl",
+        "connector": "NixlConnector",
+        "extra_config": {"backends": ["UCX"], "kv_lease_duration": lease_s},
+    }
 
 
 def disk_leaf(path: Path | str, name: str = "disk") -> dict[str, Any]:
-    return {"kind": "leaf", "name": name, "connector": "PrefixStoreConnector",
-            "module_path": "kvcompose.stores", "extra_config": {"path": str(path)}}
+    return {
+        "kind": "leaf",
+        "name": name,
+        "connector": "PrefixStoreConnector",
+        "module_path": "kvcompose.stores",
+        "extra_config": {"path": str(path)},
+    }
 
 
-def kvcompose_configs(stores: Path, d_policy: str = "first"
-                      ) -> tuple[dict[str, Any], dict[str, Any]]:
+def kvcompose_configs(
+    stores: Path, d_policy: str = "first"
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """P = chain/first[nixl, disk]; D = chain/<d_policy>[disk, nixl]."""
-    p = kvcompose_config(chain("p", nixl_leaf(), disk_leaf(stores / "p")),
-                         kv_buffer_device="cpu")
-    d = kvcompose_config(chain("d", disk_leaf(stores / f"d-{d_policy}"), nixl_leaf(),
-                               policy=d_policy), kv_buffer_device="cpu")
+    p = kvcompose_config(chain("p", nixl_leaf(), disk_leaf(stores / "p")), kv_buffer_device="cpu")
+    d = kvcompose_config(
+        chain("d", disk_leaf(stores / f"d-{d_policy}"), nixl_leaf(), policy=d_policy),
+        kv_buffer_device="cpu",
+    )
     return p, d
 
 
@@ -88,12 +99,17 @@ def multiconnector_configs(stores: Path) -> tuple[dict[str, Any], dict[str, Any]
     return p, d
 
 
-def start_engine(model: Path | str, config: dict[str, Any], name: str,
-                 **llm_kwargs: Any) -> EngineProcess:
+def start_engine(
+    model: Path | str, config: dict[str, Any], name: str, **llm_kwargs: Any
+) -> EngineProcess:
     """An engine process with its own NIXL side-channel port, tracing on."""
     engine = EngineProcess(
-        model, config, name=name, llm_kwargs={**LLM_KWARGS, **llm_kwargs},
-        env={**pd.PD_ENGINE_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+        model,
+        config,
+        name=name,
+        llm_kwargs={**LLM_KWARGS, **llm_kwargs},
+        env={**pd.PD_ENGINE_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+    )
     try:
         engine.call(pd.trace_on)
     except BaseException:
@@ -121,8 +137,11 @@ def nixl_totals(stats: dict[str, Any] | None) -> tuple[int, float, int]:
     if not stats:
         return 0, 0.0, 0
     moved = stats.get("vllm:nixl_bytes_transferred") or {"count": 0, "sum": 0.0}
-    return (int(moved["count"]), float(moved["sum"]),
-            int(stats.get("vllm:external_prefix_cache_hits", 0)))
+    return (
+        int(moved["count"]),
+        float(moved["sum"]),
+        int(stats.get("vllm:external_prefix_cache_hits", 0)),
+    )
 
 
 @dataclasses.dataclass
@@ -155,24 +174,42 @@ class Handoff:
 
     @property
     def freed_before_d_done(self) -> bool:
-        return (self.t_p_free is not None and self.t_d_done is not None
-                and self.t_p_free < self.t_d_done)
+        return (
+            self.t_p_free is not None
+            and self.t_d_done is not None
+            and self.t_p_free < self.t_d_done
+        )
 
     def row(self) -> dict[str, Any]:
-        return {"owner": self.owner, "allocs": self.allocs, "offers": self.offers,
-                "local": self.d_local, "cached": self.d_cached, "external": self.external_hits,
-                "transfers": self.transfers, "bytes": self.bytes_moved,
-                "hold_ms": None if self.hold_s is None else round(self.hold_s * 1000, 1),
-                "p_steps": self.p_steps, "freed_before_d_done": self.freed_before_d_done}
+        return {
+            "owner": self.owner,
+            "allocs": self.allocs,
+            "offers": self.offers,
+            "local": self.d_local,
+            "cached": self.d_cached,
+            "external": self.external_hits,
+            "transfers": self.transfers,
+            "bytes": self.bytes_moved,
+            "hold_ms": None if self.hold_s is None else round(self.hold_s * 1000, 1),
+            "p_steps": self.p_steps,
+            "freed_before_d_done": self.freed_before_d_done,
+        }
 
 
 def p_request_freed(request_id: str) -> Any:
     return lambda snap: request_id not in snap["requests"]
 
 
-def handoff(p: EngineProcess, d: EngineProcess, tokens: list[int], max_tokens: int = D_TOKENS,
-            *, stats: bool = True, corrupt_p: bool = False,
-            p_free_timeout: float = 30.0) -> Handoff:
+def handoff(
+    p: EngineProcess,
+    d: EngineProcess,
+    tokens: list[int],
+    max_tokens: int = D_TOKENS,
+    *,
+    stats: bool = True,
+    corrupt_p: bool = False,
+    p_free_timeout: float = 30.0,
+) -> Handoff:
     """The proxy flow for one prompt, measured. ``corrupt_p`` overwrites P's KV blocks of
     the request with noise before D reads them (a negative control). Waits up to
     ``p_free_timeout`` s for P to free the prefill request's blocks."""
@@ -193,42 +230,70 @@ def handoff(p: EngineProcess, d: EngineProcess, tokens: list[int], max_tokens: i
 
     d_side = _decode_side(d_trace["events"], d_req)
     t_alloc = d_side["t_alloc"]
-    t_free = next((ev["t"] for ev in p_trace["events"]
-                   if ev["kind"] == "free" and ev["req"] == p_req), None)
+    t_free = next(
+        (ev["t"] for ev in p_trace["events"] if ev["kind"] == "free" and ev["req"] == p_req), None
+    )
     p_steps = None
     if t_free is not None:
         p_steps = sum(1 for t in p_trace["step_times"] if t_alloc <= t <= t_free)
     return Handoff(
-        prompt_len=len(tokens), p_request=p_req, d_request=d_req, p_blocks=p_blocks,
-        d_tokens=d_out["token_ids"], d_cached=d_out["num_cached_tokens"],
-        d_local=d_side["local"], offers=d_side["offers"], allocs=d_side["allocs"],
-        owner=d_side["owner"], t_d_alloc=t_alloc, t_p_free=t_free,
-        t_d_done=d_side["t_done"], p_steps=p_steps, **_deltas(before, after),
-        dropped=d_side["dropped"])
+        prompt_len=len(tokens),
+        p_request=p_req,
+        d_request=d_req,
+        p_blocks=p_blocks,
+        d_tokens=d_out["token_ids"],
+        d_cached=d_out["num_cached_tokens"],
+        d_local=d_side["local"],
+        offers=d_side["offers"],
+        allocs=d_side["allocs"],
+        owner=d_side["owner"],
+        t_d_alloc=t_alloc,
+        t_p_free=t_free,
+        t_d_done=d_side["t_done"],
+        p_steps=p_steps,
+        **_deltas(before, after),
+        dropped=d_side["dropped"],
+    )
 
 
-def decode_only(d: EngineProcess, tokens: list[int], max_tokens: int = D_TOKENS,
-                *, stats: bool = True) -> Handoff:
+def decode_only(
+    d: EngineProcess, tokens: list[int], max_tokens: int = D_TOKENS, *, stats: bool = True
+) -> Handoff:
     """D runs the prompt with no hand-off (no P involved), measured like ``handoff``."""
     before = nixl_totals(d.stats()) if stats else None
     (d_out,) = d.call(pd.run_requests, [tokens], max_tokens)
     after = nixl_totals(d.stats()) if stats else None
     d_side = _decode_side(d.call(pd.take_trace)["events"], d_out["request_id"])
     return Handoff(
-        prompt_len=len(tokens), p_request="", d_request=d_out["request_id"], p_blocks=0,
-        d_tokens=d_out["token_ids"], d_cached=d_out["num_cached_tokens"],
-        d_local=d_side["local"], offers=d_side["offers"], allocs=d_side["allocs"],
-        owner=d_side["owner"], t_d_alloc=d_side["t_alloc"], t_p_free=None,
-        t_d_done=d_side["t_done"], p_steps=None, **_deltas(before, after),
-        dropped=d_side["dropped"])
+        prompt_len=len(tokens),
+        p_request="",
+        d_request=d_out["request_id"],
+        p_blocks=0,
+        d_tokens=d_out["token_ids"],
+        d_cached=d_out["num_cached_tokens"],
+        d_local=d_side["local"],
+        offers=d_side["offers"],
+        allocs=d_side["allocs"],
+        owner=d_side["owner"],
+        t_d_alloc=d_side["t_alloc"],
+        t_p_free=None,
+        t_d_done=d_side["t_done"],
+        p_steps=None,
+        **_deltas(before, after),
+        dropped=d_side["dropped"],
+    )
 
 
-def _deltas(before: tuple[int, float, int] | None, after: tuple[int, float, int] | None
-            ) -> dict[str, Any]:
+def _deltas(
+    before: tuple[int, float, int] | None, after: tuple[int, float, int] | None
+) -> dict[str, Any]:
     if before is None or after is None:
         return {"transfers": None, "bytes_moved": None, "external_hits": None}
-    return {"transfers": after[0] - before[0], "bytes_moved": after[1] - before[1],
-            "external_hits": after[2] - before[2]}
+    return {
+        "transfers": after[0] - before[0],
+        "bytes_moved": after[1] - before[1],
+        "external_hits": after[2] - before[2],
+    }
 
 
 def _decode_side(events: list[dict[str, Any]], d_req: str) -> dict[str, Any]:
@@ -236,8 +301,14 @@ def _decode_side(events: list[dict[str, Any]], d_req: str) -> dict[str, Any]:
     the local hit, when D allocated and freed it, calls dropped by fault injection."""
     offers: dict[str, tuple[int | None, bool]] = {}
     allocs: dict[str, int] = {}
-    out: dict[str, Any] = {"local": None, "t_alloc": None, "t_done": None, "dropped": 0,
-                           "offers": offers, "allocs": allocs}
+    out: dict[str, Any] = {
+        "local": None,
+        "t_alloc": None,
+        "t_done": None,
+        "dropped": 0,
+        "offers": offers,
+        "allocs": allocs,
+    }
     for ev in events:
         if ev["req"] != d_req:
             continue
@@ -308,8 +379,9 @@ def assert_clean(*engines: EngineProcess, timeout: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def engines(model: Path | str, configs: tuple[dict[str, Any], dict[str, Any]],
-            **llm_kwargs: Any) -> Iterator[tuple[EngineProcess, EngineProcess]]:
+def engines(
+    model: Path | str, configs: tuple[dict[str, Any], dict[str, Any]], **llm_kwargs: Any
+) -> Iterator[tuple[EngineProcess, EngineProcess]]:
     p = start_engine(model, configs[0], "prefill", **llm_kwargs)
     try:
         d = start_engine(model, configs[1], "decode", **llm_kwargs)
@@ -321,8 +393,9 @@ def engines(model: Path | str, configs: tuple[dict[str, Any], dict[str, Any]],
         p.close()
 
 
-def reference(model: Path | str, prompts: list[list[int]], max_tokens: int = D_TOKENS
-              ) -> list[list[int]]:
+def reference(
+    model: Path | str, prompts: list[list[int]], max_tokens: int = D_TOKENS
+) -> list[list[int]]:
     """Greedy outputs of a single engine without any connector."""
     from kvcompose.engine.llm import greedy, make_llm
 
@@ -330,8 +403,9 @@ def reference(model: Path | str, prompts: list[list[int]], max_tokens: int = D_T
         return greedy(llm, prompts, max_tokens)
 
 
-def run_all(p: EngineProcess, d: EngineProcess, ref: dict[int, list[int]], *, stats: bool,
-            label: str) -> list[tuple[str, dict[str, Any]]]:
+def run_all(
+    p: EngineProcess, d: EngineProcess, ref: dict[int, list[int]], *, stats: bool, label: str
+) -> list[tuple[str, dict[str, Any]]]:
     """Every scenario on one P/D pair, in order; returns (name, measurement) rows."""
     rows: list[tuple[str, dict[str, Any]]] = []
 
@@ -354,35 +428,40 @@ def run_all(p: EngineProcess, d: EngineProcess, ref: dict[int, list[int]], *, st
     measured("4 full local hit", handoff(p, d, prompt(15), stats=stats), 15)
 
     (p_out,) = p.call(pd.run_requests, [prompt(16)], 1, {"do_remote_decode": True})
-    state = d.call(pd.submit_and_abort, prompt(16), D_TOKENS, p_out["kv_transfer_params"],
-                   when="loading")
+    state = d.call(
+        pd.submit_and_abort, prompt(16), D_TOKENS, p_out["kv_transfer_params"], when="loading"
+    )
     record("5 abort on D while loading", _after_abort(p, d, p_out["request_id"], state))
-    state = p.call(pd.submit_and_abort, prompt(17), 4, {"do_remote_decode": True},
-                   when="prefilled")
+    state = p.call(pd.submit_and_abort, prompt(17), 4, {"do_remote_decode": True}, when="prefilled")
     record("5 abort on P after prefill", _after_abort(p, d, state["request_id"], state))
     (p_out,) = p.call(pd.run_requests, [prompt(18)], 1, {"do_remote_decode": True})
-    state = d.call(pd.submit_and_abort, prompt(18), D_TOKENS, p_out["kv_transfer_params"],
-                   when="queued")
+    state = d.call(
+        pd.submit_and_abort, prompt(18), D_TOKENS, p_out["kv_transfer_params"], when="queued"
+    )
     record("5 D aborts before scheduling", _after_abort(p, d, p_out["request_id"], state))
     return rows
 
 
-def _after_abort(p: EngineProcess, d: EngineProcess, p_req: str, state: dict[str, Any]
-                 ) -> dict[str, Any]:
+def _after_abort(
+    p: EngineProcess, d: EngineProcess, p_req: str, state: dict[str, Any]
+) -> dict[str, Any]:
     """After an abort: how long P kept the request's blocks (from the abort), whether D
     kept the aborted request's blocks until its load finished, both engines clean."""
     p.wait_until(p_request_freed(p_req), 30)
     p_clean, d_clean = is_clean(clean(p)), is_clean(clean(d))
     p_events, d_events = p.call(pd.take_trace)["events"], d.call(pd.take_trace)["events"]
     p_free = next((e["t"] for e in p_events if e["kind"] == "free" and e["req"] == p_req), None)
-    d_free = next((e["t"] for e in d_events
-                   if e["kind"] == "free" and e["req"] == state["request_id"]), None)
-    return {"aborted_in": state["status"], "steps_before_abort": state["steps"],
-            "p_hold_after_abort_ms": None if p_free is None
-            else round((p_free - state["t"]) * 1000, 1),
-            "d_free_after_abort_ms": None if d_free is None
-            else round((d_free - state["t"]) * 1000, 1),
-            "p_clean": p_clean, "d_clean": d_clean}
+    d_free = next(
+        (e["t"] for e in d_events if e["kind"] == "free" and e["req"] == state["request_id"]), None
+    )
+    return {
+        "aborted_in": state["status"],
+        "steps_before_abort": state["steps"],
+        "p_hold_after_abort_ms": None if p_free is None else round((p_free - state["t"]) * 1000, 1),
+        "d_free_after_abort_ms": None if d_free is None else round((d_free - state["t"]) * 1000, 1),
+        "p_clean": p_clean,
+        "d_clean": d_clean,
+    }
 
 
 def observe_seed_bug(p: EngineProcess, d: EngineProcess, seconds: float) -> dict[str, Any]:
@@ -397,8 +476,12 @@ def observe_seed_bug(p: EngineProcess, d: EngineProcess, seconds: float) -> dict
         t0 = time.monotonic()
         freed = p.wait_until(p_request_freed(p_out["request_id"]), seconds, interval=1.0)
         held = (freed["t"] - t0) if freed is not None else None
-        return {"observed_s": seconds, "p_freed_after_s": held,
-                "p_still_holds": freed is None, "p_snapshot": p.inspect()["requests"]}
+        return {
+            "observed_s": seconds,
+            "p_freed_after_s": held,
+            "p_still_holds": freed is None,
+            "p_snapshot": p.inspect()["requests"],
+        }
     finally:
         d.call(pd.drop_calls, _node(d, "nixl"), "request_finished", enable=False)
         d.call(pd.drop_calls, _node(d, "nixl"), "update_state_after_alloc", enable=False)
@@ -413,14 +496,25 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--connector", choices=["kvcompose", "multiconnector"],
-                    default="kvcompose")
-    ap.add_argument("--policy", choices=["first", "longest"], default="first",
-                    help="D's chain policy (kvcompose only)")
-    ap.add_argument("--observe-seed-bug", type=float, default=0.0, metavar="SECONDS",
-                    help="also emulate the seed bug on D and watch P this long")
-    ap.add_argument("--stats", action="store_true",
-                    help="MultiConnector with stats logging on (crashes, see docs/pd.md)")
+    ap.add_argument("--connector", choices=["kvcompose", "multiconnector"], default="kvcompose")
+    ap.add_argument(
+        "--policy",
+        choices=["first", "longest"],
+        default="first",
+        help="D's chain policy (kvcompose only)",
+    )
+    ap.add_argument(
+        "--observe-seed-bug",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also emulate the seed bug on D and watch P this long",
+    )
+    ap.add_argument(
+        "--stats",
+        action="store_true",
+        help="MultiConnector with stats logging on (crashes, see docs/pd.md)",
+    )
     args = ap.parse_args(argv)
 
     from kvcompose.engine.model import build_tiny_model, default_cache_dir
@@ -442,12 +536,17 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.monotonic()
         with engines(model, configs, **kw) as (p, d):
             print(f"engines started in {time.monotonic() - t1:.1f} s", flush=True)
-            label = f"{args.connector}/{args.policy}" if args.connector == "kvcompose" \
+            label = (
+                f"{args.connector}/{args.policy}"
+                if args.connector == "kvcompose"
                 else "multiconnector"
+            )
             run_all(p, d, ref, stats=stats, label=label)
             if args.observe_seed_bug:
-                print(f"[{label}] seed bug emulated: "
-                      f"{observe_seed_bug(p, d, args.observe_seed_bug)}", flush=True)
+                print(
+                    f"[{label}] seed bug emulated: {observe_seed_bug(p, d, args.observe_seed_bug)}",
+                    flush=True,
+                )
     print(f"total {time.monotonic() - t0:.1f} s")
     return 0
 

@@ -20,10 +20,13 @@ from kvcompose.tree import leaves
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pd"
 
 
-@pytest.mark.parametrize(("name", "role", "order"), [
-    ("prefill.yaml", "kv_producer", ["nixl", "disk"]),
-    ("decode.yaml", "kv_consumer", ["disk", "nixl"]),
-])
+@pytest.mark.parametrize(
+    ("name", "role", "order"),
+    [
+        ("prefill.yaml", "kv_producer", ["nixl", "disk"]),
+        ("decode.yaml", "kv_consumer", ["disk", "nixl"]),
+    ],
+)
 def test_example_configs(name: str, role: str, order: list[str]) -> None:
     config = load_config(str(EXAMPLE / name), env={}, check_vllm=vllm_available())
     assert not config.warnings
@@ -46,9 +49,15 @@ def _router() -> Any:
     return module
 
 
-HANDOFF = {"do_remote_prefill": True, "do_remote_decode": False,
-           "remote_block_ids": [[1, 2]], "remote_engine_id": "p-engine",
-           "remote_request_id": "cmpl-1", "remote_host": "localhost", "remote_port": 5601}
+HANDOFF = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[1, 2]],
+    "remote_engine_id": "p-engine",
+    "remote_request_id": "cmpl-1",
+    "remote_host": "localhost",
+    "remote_port": 5601,
+}
 
 
 @pytest.fixture
@@ -75,9 +84,12 @@ def servers() -> Iterator[tuple[str, str, list[dict[str, Any]], list[dict[str, A
             def do_POST(self) -> None:
                 seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 if not stream:
-                    self._send(json.dumps({"choices": [{"text": " w1"}],
-                                           "kv_transfer_params": HANDOFF}).encode(),
-                               "application/json")
+                    self._send(
+                        json.dumps(
+                            {"choices": [{"text": " w1"}], "kv_transfer_params": HANDOFF}
+                        ).encode(),
+                        "application/json",
+                    )
                     return
                 chunks = [{"choices": [{"text": t}]} for t in (" w1", " w2", " w3")]
                 body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks)
@@ -90,8 +102,7 @@ def servers() -> Iterator[tuple[str, str, list[dict[str, Any]], list[dict[str, A
     threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in (p, d)]
     for t in threads:
         t.start()
-    yield (f"http://127.0.0.1:{p.server_port}", f"http://127.0.0.1:{d.server_port}",
-           seen_p, seen_d)
+    yield (f"http://127.0.0.1:{p.server_port}", f"http://127.0.0.1:{d.server_port}", seen_p, seen_d)
     for s in (p, d):
         s.shutdown()
         s.server_close()

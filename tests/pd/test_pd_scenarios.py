@@ -55,15 +55,15 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prefill(ref: dict[int, list[int]], tiny_model: Path, stores: Path
-            ) -> Iterator[EngineProcess]:
+def prefill(ref: dict[int, list[int]], tiny_model: Path, stores: Path) -> Iterator[EngineProcess]:
     engine = start_engine(tiny_model, kvcompose_configs(stores)[0], "prefill")
     yield engine
     engine.close()
 
 
-def _decode(tiny_model: Path, stores: Path, prefill: EngineProcess, policy: str
-            ) -> Iterator[EngineProcess]:
+def _decode(
+    tiny_model: Path, stores: Path, prefill: EngineProcess, policy: str
+) -> Iterator[EngineProcess]:
     engine = start_engine(tiny_model, kvcompose_configs(stores, policy)[1], f"decode-{policy}")
     try:
         handoff(prefill, engine, prompt(1))  # the NIXL handshake, out of the measurements
@@ -80,8 +80,9 @@ def decode(tiny_model: Path, stores: Path, prefill: EngineProcess) -> Iterator[E
 
 
 @pytest.fixture(scope="module")
-def decode_longest(tiny_model: Path, stores: Path, prefill: EngineProcess
-                   ) -> Iterator[EngineProcess]:
+def decode_longest(
+    tiny_model: Path, stores: Path, prefill: EngineProcess
+) -> Iterator[EngineProcess]:
     """D = chain/longest[disk, nixl]."""
     yield from _decode(tiny_model, stores, prefill, "longest")
 
@@ -128,8 +129,10 @@ def test_disk_tier_owns_the_load_and_p_is_freed_within_steps(ref, prefill, decod
     assert h.transfers == 0 and h.external_hits == FULL_PREFIX
     assert_p_freed_fast(h)  # < 5 s and <= 4 P steps after D's allocation; lease is 300 s
     assert_clean(prefill, decode)
-    print(f"disk owns: P held {h.p_blocks} blocks {h.hold_s * 1000:.0f} ms "
-          f"({h.p_steps} P steps) after D's allocation; {h.row()}")
+    print(
+        f"disk owns: P held {h.p_blocks} blocks {h.hold_s * 1000:.0f} ms "
+        f"({h.p_steps} P steps) after D's allocation; {h.row()}"
+    )
 
 
 def test_disk_tier_owns_negative_control_without_the_zero_call(ref, prefill, decode):
@@ -148,19 +151,26 @@ def test_disk_tier_owns_negative_control_without_the_zero_call(ref, prefill, dec
     with pytest.raises(AssertionError):
         assert_p_freed_fast(h)
     assert_clean(prefill, decode)
-    print(f"without the 0-call: P held its blocks {h.hold_s * 1000:.0f} ms, "
-          f"until D's request ended; {h.row()}")
+    print(
+        f"without the 0-call: P held its blocks {h.hold_s * 1000:.0f} ms, "
+        f"until D's request ended; {h.row()}"
+    )
 
 
 # ----------------------------------------------------------------------------- 3
 
 
-@pytest.mark.parametrize(("seed", "stored", "disk_tokens"), [
-    (25, 70, 64),  # disk holds 2 blocks of the prompt
-    (26, PROMPT_LEN, FULL_PREFIX),  # disk holds all it can: every block inside prompt[:-1]
-], ids=["disk-64", "disk-full"])
-def test_longest_remote_prefill_covers_more_than_the_disk(ref, prefill, decode_longest,
-                                                          seed, stored, disk_tokens):
+@pytest.mark.parametrize(
+    ("seed", "stored", "disk_tokens"),
+    [
+        (25, 70, 64),  # disk holds 2 blocks of the prompt
+        (26, PROMPT_LEN, FULL_PREFIX),  # disk holds all it can: every block inside prompt[:-1]
+    ],
+    ids=["disk-64", "disk-full"],
+)
+def test_longest_remote_prefill_covers_more_than_the_disk(
+    ref, prefill, decode_longest, seed, stored, disk_tokens
+):
     """NIXL offers the whole prompt minus the local hit; a store, at most prompt[:-1] minus
     the same hit. So on plain attention models NIXL's offer is always the longer one: a disk
     prefix longer than NIXL's offer cannot happen (docs/pd.md)."""
@@ -205,14 +215,21 @@ def _p_prefill(prefill: EngineProcess, seed: int) -> dict:
 
 
 def _free_time(engine: EngineProcess, req: str) -> float | None:
-    return next((ev["t"] for ev in engine.call(pd.take_trace)["events"]
-                 if ev["kind"] == "free" and ev["req"] == req), None)
+    return next(
+        (
+            ev["t"]
+            for ev in engine.call(pd.take_trace)["events"]
+            if ev["kind"] == "free" and ev["req"] == req
+        ),
+        None,
+    )
 
 
 def test_abort_on_decode_while_the_load_is_in_flight(prefill, decode):
     p_out = _p_prefill(prefill, 28)
-    state = decode.call(pd.submit_and_abort, prompt(28), D_TOKENS,
-                        p_out["kv_transfer_params"], when="loading")
+    state = decode.call(
+        pd.submit_and_abort, prompt(28), D_TOKENS, p_out["kv_transfer_params"], when="loading"
+    )
     assert state["status"] == "WAITING_FOR_REMOTE_KVS"
     assert prefill.wait_until(p_request_freed(p_out["request_id"]), FREE_WITHIN_S)
     assert_clean(prefill, decode)
@@ -226,8 +243,9 @@ def test_abort_on_decode_while_the_load_is_in_flight(prefill, decode):
 
 
 def test_abort_on_prefill_after_the_prefill(prefill, decode):
-    state = prefill.call(pd.submit_and_abort, prompt(29), 4, {"do_remote_decode": True},
-                         when="prefilled")
+    state = prefill.call(
+        pd.submit_and_abort, prompt(29), 4, {"do_remote_decode": True}, when="prefilled"
+    )
     assert state["status"] == "RUNNING" and state["computed"] >= PROMPT_LEN
     # aborted, not finished: NIXL does not delay the free and P hands nothing to D
     assert_clean(prefill, timeout=2)
@@ -238,8 +256,9 @@ def test_decode_aborts_before_scheduling_frees_p(prefill, decode):
     """The router gave up after P's prefill and aborts the hand-off on D: D's NIXL (told by
     the composite's request_finished) notifies P at once, instead of P waiting 300 s."""
     p_out = _p_prefill(prefill, 30)
-    state = decode.call(pd.submit_and_abort, prompt(30), D_TOKENS,
-                        p_out["kv_transfer_params"], when="queued")
+    state = decode.call(
+        pd.submit_and_abort, prompt(30), D_TOKENS, p_out["kv_transfer_params"], when="queued"
+    )
     assert state["status"] == "WAITING" and state["steps"] == 0
     freed = prefill.wait_until(p_request_freed(p_out["request_id"]), FREE_WITHIN_S)
     assert freed is not None, "P kept the blocks after D aborted the hand-off"

@@ -21,15 +21,17 @@ from hypothesis import HealthCheck, settings
 
 _COMMON = dict(
     deadline=None,
-    suppress_health_check=(HealthCheck.too_slow, HealthCheck.data_too_large,
-                           HealthCheck.filter_too_much),
+    suppress_health_check=(
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ),
     print_blob=True,
 )
 #: Per tree shape (five shapes): 5 x 100 = 500 sequences, about a minute on 2 cores.
 settings.register_profile("ci", max_examples=100, stateful_step_count=50, **_COMMON)
 #: Per tree shape: 5 x 2,000 = 10,000 sequences.
 settings.register_profile("long", max_examples=2000, stateful_step_count=60, **_COMMON)
-
 
 
 @pytest.fixture(autouse=True)

@@ -89,32 +89,50 @@ def _chain(policy: str) -> Callable[[float], dict[str, Any]]:
 
 
 def _route(t: float) -> dict[str, Any]:
-    return {"kind": "route", "name": "root", "default": "b", "lookup_timeout_s": t,
-            "rules": [{"child": "a", "param": "tier", "equals": "a"}],
-            "children": [_leaf("a"), _leaf("b")]}
+    return {
+        "kind": "route",
+        "name": "root",
+        "default": "b",
+        "lookup_timeout_s": t,
+        "rules": [{"child": "a", "param": "tier", "equals": "a"}],
+        "children": [_leaf("a"), _leaf("b")],
+    }
 
 
 def _fanout(t: float) -> dict[str, Any]:
-    return {"kind": "fanout", "name": "root", "load_from": "b", "lookup_timeout_s": t,
-            "children": [_leaf("a"), _leaf("b")]}
+    return {
+        "kind": "fanout",
+        "name": "root",
+        "load_from": "b",
+        "lookup_timeout_s": t,
+        "children": [_leaf("a"), _leaf("b")],
+    }
 
 
 def _nested(t: float) -> dict[str, Any]:
     """root = chain[longest](route pick(fast | default → chain[first](slow1, slow2)), disk)"""
     slow = chain("slow", _leaf("slow1"), _leaf("slow2"), lookup_timeout_s=t)
-    pick = {"kind": "route", "name": "pick", "default": "slow", "lookup_timeout_s": t,
-            "rules": [{"child": "fast", "param": "fast"}],
-            "children": [_leaf("fast"), slow]}
+    pick = {
+        "kind": "route",
+        "name": "pick",
+        "default": "slow",
+        "lookup_timeout_s": t,
+        "rules": [{"child": "fast", "param": "fast"}],
+        "children": [_leaf("fast"), slow],
+    }
     return chain("root", pick, _leaf("disk"), policy="longest", lookup_timeout_s=t)
 
 
-SHAPES: dict[str, Shape] = {s.name: s for s in (
-    Shape("chain-first", ("a", "b"), _chain("first")),
-    Shape("chain-longest", ("a", "b"), _chain("longest")),
-    Shape("route", ("a", "b"), _route, ({"tier": "a"}, {"tier": "b"}, None, {"tier": None})),
-    Shape("fanout", ("a", "b"), _fanout),
-    Shape("nested", ("fast", "slow1", "slow2", "disk"), _nested, (None, {"fast": True})),
-)}
+SHAPES: dict[str, Shape] = {
+    s.name: s
+    for s in (
+        Shape("chain-first", ("a", "b"), _chain("first")),
+        Shape("chain-longest", ("a", "b"), _chain("longest")),
+        Shape("route", ("a", "b"), _route, ({"tier": "a"}, {"tier": "b"}, None, {"tier": None})),
+        Shape("fanout", ("a", "b"), _fanout),
+        Shape("nested", ("fast", "slow1", "slow2", "disk"), _nested, (None, {"fast": True})),
+    )
+}
 
 
 # ------------------------------------------------------------------------ behaviours
@@ -160,10 +178,17 @@ def behaviours(draw: st.DrawFn, leaf_name: str, gen: Gen) -> Behaviour:
     kind = draw(st.sampled_from(("miss", "sync", "async")), label=f"{leaf_name}.kind")
     tokens = 0
     if kind != "miss":
-        tokens = draw(st.one_of(st.integers(1, MAX_PROMPT),
-                                st.sampled_from((BLOCK, 2 * BLOCK, 3 * BLOCK, 5 * BLOCK))))
-    pending = draw(st.one_of(st.just(0), st.integers(1, 3),
-                             st.just(FOREVER) if gen.deadline_zero else st.nothing()))
+        tokens = draw(
+            st.one_of(
+                st.integers(1, MAX_PROMPT),
+                st.sampled_from((BLOCK, 2 * BLOCK, 3 * BLOCK, 5 * BLOCK)),
+            )
+        )
+    pending = draw(
+        st.one_of(
+            st.just(0), st.integers(1, 3), st.just(FOREVER) if gen.deadline_zero else st.nothing()
+        )
+    )
     load = "ok"
     invalid_block = 0
     load_steps = 1
@@ -184,10 +209,19 @@ def behaviours(draw: st.DrawFn, leaf_name: str, gen: Gen) -> Behaviour:
         raise_in.add("update_state_after_alloc")
     if draw(st.integers(0, 15)) == 0:
         raise_in.add("request_finished")
-    b = B(tokens=tokens, is_async=kind == "async", pending_lookups=pending, load=load,
-          invalid_block=invalid_block, load_steps=load_steps, delay_free=delay,
-          send_steps=send_steps, params=params, raise_in=frozenset(raise_in),
-          delay_free_if_loading=False)
+    b = B(
+        tokens=tokens,
+        is_async=kind == "async",
+        pending_lookups=pending,
+        load=load,
+        invalid_block=invalid_block,
+        load_steps=load_steps,
+        delay_free=delay,
+        send_steps=send_steps,
+        params=params,
+        raise_in=frozenset(raise_in),
+        delay_free_if_loading=False,
+    )
     if gen.breakers:
         b.delay_free_if_loading = delay and draw(st.booleans())
         b.break_zero_async = draw(st.integers(0, 5)) == 0
@@ -198,8 +232,13 @@ def behaviours(draw: st.DrawFn, leaf_name: str, gen: Gen) -> Behaviour:
 
 
 def is_breaker(b: Behaviour) -> bool:
-    return (b.break_zero_async or b.break_rogue_recv or b.break_duplicate_recv
-            or b.break_rogue_send or (b.delay_free and b.delay_free_if_loading))
+    return (
+        b.break_zero_async
+        or b.break_rogue_recv
+        or b.break_duplicate_recv
+        or b.break_rogue_send
+        or (b.delay_free and b.delay_free_if_loading)
+    )
 
 
 # --------------------------------------------------------------------------- helpers
@@ -298,9 +337,16 @@ class KVComposeMachine(RuleBasedStateMachine):
         self.cursor = dict.fromkeys(self.shape.leaves, 0)
         tree = self.shape.build(1e-9 if deadline_zero else 3600.0)
         self.h = SchedulerHarness(
-            self.model_dir, kvcompose_config(tree), block_size=BLOCK, num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-            max_model_len=MAX_MODEL_LEN, kv_load_failure_policy=policy, with_worker=True)
+            self.model_dir,
+            kvcompose_config(tree),
+            block_size=BLOCK,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=MAX_MODEL_LEN,
+            kv_load_failure_policy=policy,
+            with_worker=True,
+        )
         STATS["examples"] += 1
         STATS[f"examples.{policy}"] += 1
         STATS["examples.breakers" if breakers else "examples.clean"] += 1
@@ -311,23 +357,28 @@ class KVComposeMachine(RuleBasedStateMachine):
         assert self.gen is not None
         rid = f"r{self.next_id}"
         self.next_id += 1
-        length = data.draw(st.one_of(st.integers(BLOCK + 1, MAX_PROMPT), st.integers(1, BLOCK)),
-                           label="prompt_tokens")
+        length = data.draw(
+            st.one_of(st.integers(BLOCK + 1, MAX_PROMPT), st.integers(1, BLOCK)),
+            label="prompt_tokens",
+        )
         family = data.draw(st.sampled_from((None, None, None, 0, 1)), label="prefix_family")
         max_tokens = data.draw(st.integers(1, MAX_OUTPUT), label="max_tokens")
         params = data.draw(st.sampled_from(self.shape.params), label="kv_transfer_params")
-        drawn = {name: data.draw(behaviours(name, self.gen), label=name)
-                 for name in self.shape.leaves}
+        drawn = {
+            name: data.draw(behaviours(name, self.gen), label=name) for name in self.shape.leaves
+        }
         drawn = self.avoid_known_bugs(drawn)
         self.behaviour[rid] = drawn
         if any(is_breaker(b) for b in drawn.values()):
             self.breaking.add(rid)
         for name, b in drawn.items():
             self.scripts[name].per_request[rid] = b
-        prompt = (self.h.make_prompt(length, seed=rid) if family is None
-                  else self.h.make_prompt(MAX_PROMPT, seed=f"family{family}")[:length])
-        self.h.add_request(prompt, max_tokens=max_tokens, kv_transfer_params=params,
-                           request_id=rid)
+        prompt = (
+            self.h.make_prompt(length, seed=rid)
+            if family is None
+            else self.h.make_prompt(MAX_PROMPT, seed=f"family{family}")[:length]
+        )
+        self.h.add_request(prompt, max_tokens=max_tokens, kv_transfer_params=params, request_id=rid)
         STATS["requests"] += 1
 
     def avoid_known_bugs(self, drawn: dict[str, Behaviour]) -> dict[str, Behaviour]:
@@ -335,12 +386,16 @@ class KVComposeMachine(RuleBasedStateMachine):
         if not steering():
             return drawn
         if "invalid-blocks-do-not-exclude-the-owner" in KNOWN_BUGS and (
-                self.gen.policy == "recompute"):
+            self.gen.policy == "recompute"
+        ):
             for b in drawn.values():
                 if b.is_async and b.load == "invalid":
                     b.failed_loads = 1  # a transient failure: the re-lookup's load succeeds
-        if "finish-while-loading-with-delay" in KNOWN_BUGS and self.gen.policy == "fail" and any(
-                b.is_async and b.load != "ok" for b in drawn.values()):
+        if (
+            "finish-while-loading-with-delay" in KNOWN_BUGS
+            and self.gen.policy == "fail"
+            and any(b.is_async and b.load != "ok" for b in drawn.values())
+        ):
             for b in drawn.values():
                 b.delay_free = False
         return drawn
@@ -357,8 +412,9 @@ class KVComposeMachine(RuleBasedStateMachine):
         for _ in range(16):
             result = self.do_step()
             out = result.kv_connector_output
-            if result.finished or (out is not None and (out.finished_recving
-                                                        or out.finished_sending)):
+            if result.finished or (
+                out is not None and (out.finished_recving or out.finished_sending)
+            ):
                 return
 
     @precondition(lambda self: self.h is not None and bool(self.h.scheduler.requests))
@@ -415,7 +471,7 @@ class KVComposeMachine(RuleBasedStateMachine):
         """Read the leaves' new call records; returns this step's recv reports by request."""
         recv: dict[str, set[tuple[str, bool]]] = defaultdict(set)
         for name, s in self.scripts.items():
-            calls = s.calls[self.cursor[name]:]
+            calls = s.calls[self.cursor[name] :]
             self.cursor[name] = len(s.calls)
             for call in calls:
                 kind = call[0]
@@ -424,9 +480,11 @@ class KVComposeMachine(RuleBasedStateMachine):
                     b = s.behaviour(rid)
                     STATS["loads.async" if b.is_async else "loads.sync"] += 1
                     if b.is_async:
-                        check(rid not in self.loads,
-                              f"{rid}: a second async load ({name}) while one from "
-                              f"{self.loads.get(rid)} is in flight")
+                        check(
+                            rid not in self.loads,
+                            f"{rid}: a second async load ({name}) while one from "
+                            f"{self.loads.get(rid)} is in flight",
+                        )
                         self.loads[rid] = name
                         self.async_loads[rid] += 1
                     if b.load != "ok":
@@ -463,25 +521,35 @@ class KVComposeMachine(RuleBasedStateMachine):
         # finished_sending (vLLM would free on the first of two and assert on the second)
         for rid, reps in reports.items():
             owner = self.loads.get(rid)
-            if (rid not in recving and owner in {name for name, _ in reps}
-                    and self.h.requests[rid].is_finished() and self.delayers.get(rid)):
+            if (
+                rid not in recving
+                and owner in {name for name, _ in reps}
+                and self.h.requests[rid].is_finished()
+                and self.delayers.get(rid)
+            ):
                 del self.loads[rid]
                 self.root_recv[rid] += 1
                 STATS["root.recv_merged_into_send"] += 1
         # (3) receives: only for a load in flight, once, from its owner, never lost
         for rid in sorted(recving):
             owner = self.loads.get(rid)
-            check(owner is not None,
-                  f"{rid}: finished_recving reached the scheduler with no async load in flight")
+            check(
+                owner is not None,
+                f"{rid}: finished_recving reached the scheduler with no async load in flight",
+            )
             reporters = {name for name, _ in reports.get(rid, ())}
-            check(owner in reporters,
-                  f"{rid}: finished_recving went up but its owner {owner!r} did not report "
-                  f"it this step (reporters: {sorted(reporters)})")
+            check(
+                owner in reporters,
+                f"{rid}: finished_recving went up but its owner {owner!r} did not report "
+                f"it this step (reporters: {sorted(reporters)})",
+            )
             if clean and rid not in self.breaking:
                 owner_failed = any(f for name, f in reports[rid] if name == owner)
-                check((rid in failed) == owner_failed,
-                      f"{rid}: failed_recving={rid in failed} but owner {owner!r} "
-                      f"reported failed={owner_failed}")
+                check(
+                    (rid in failed) == owner_failed,
+                    f"{rid}: failed_recving={rid in failed} but owner {owner!r} "
+                    f"reported failed={owner_failed}",
+                )
             del self.loads[rid]
             self.root_recv[rid] += 1
             if rid in failed:
@@ -490,8 +558,10 @@ class KVComposeMachine(RuleBasedStateMachine):
             for rid, reps in reports.items():
                 for name, _ in reps:
                     if self.loads.get(rid) == name:
-                        raise InvariantError(f"{rid}: owner {name!r} reported its receive "
-                                             "but it never reached the scheduler")
+                        raise InvariantError(
+                            f"{rid}: owner {name!r} reported its receive "
+                            "but it never reached the scheduler"
+                        )
         # (4) sends: once, only after every delaying leaf reported
         for rid in sorted(sending):
             check(self.root_sent[rid] == 0, f"{rid}: a second finished_sending")
@@ -508,8 +578,10 @@ class KVComposeMachine(RuleBasedStateMachine):
             for b in self.behaviour[rid].values():
                 if b.params and "request_finished" not in b.raise_in:
                     expected.update(b.params)
-            check((info.kv_transfer_params or {}) == expected,
-                  f"{rid}: kv_transfer_params {info.kv_transfer_params} != merged {expected}")
+            check(
+                (info.kv_transfer_params or {}) == expected,
+                f"{rid}: kv_transfer_params {info.kv_transfer_params} != merged {expected}",
+            )
         self.check_requests()
         self.check_tables()
 
@@ -520,15 +592,21 @@ class KVComposeMachine(RuleBasedStateMachine):
             done = req.is_finished()
             for name, s in self.scripts.items():
                 n = s.finished[rid]
-                check(n == (1 if done else 0),
-                      f"{rid} ({req.status.name}): {name} heard request_finished {n} times")
+                check(
+                    n == (1 if done else 0),
+                    f"{rid} ({req.status.name}): {name} heard request_finished {n} times",
+                )
             pending = self.delayers.get(rid, set()) - self.sent[rid]
             if pending:
-                check(rid in sched.requests,
-                      f"{rid}: blocks freed while {sorted(pending)} still sending")
+                check(
+                    rid in sched.requests,
+                    f"{rid}: blocks freed while {sorted(pending)} still sending",
+                )
             if rid in self.loads:
-                check(rid in sched.requests,
-                      f"{rid}: blocks freed while {self.loads[rid]} still loads into them")
+                check(
+                    rid in sched.requests,
+                    f"{rid}: blocks freed while {self.loads[rid]} still loads into them",
+                )
 
     def check_tables(self) -> None:
         """(5) ledgers hold no finished request; (6) violations / errors."""
@@ -539,20 +617,30 @@ class KVComposeMachine(RuleBasedStateMachine):
             check(not stray, f"node {node.name}: ledger holds finished requests {sorted(stray)}")
         if clean:
             in_flight = set(self.h.worker_connector.signals.live().get("loads_in_flight", {}))
-            check(in_flight == set(self.loads),
-                  f"worker loads in flight {sorted(in_flight)} != async loads not yet "
-                  f"received {sorted(self.loads)}")
+            check(
+                in_flight == set(self.loads),
+                f"worker loads in flight {sorted(in_flight)} != async loads not yet "
+                f"received {sorted(self.loads)}",
+            )
         for side in (self.h.connector, self.h.worker_connector):
             for node in composites(side):
                 if clean:
-                    check(not node.guard.violations,
-                          f"node {node.name} ({node.role.name}): violations from "
-                          f"contract-obeying children: {dict(node.guard.violations)}")
-                for (_, where) in node.guard.errors:
+                    check(
+                        not node.guard.violations,
+                        f"node {node.name} ({node.role.name}): violations from "
+                        f"contract-obeying children: {dict(node.guard.violations)}",
+                    )
+                for _, where in node.guard.errors:
                     method = where.split(":")[0]
-                    check(method in ("get_num_new_matched_tokens", "update_state_after_alloc",
-                                     "request_finished"),
-                          f"node {node.name}: unexpected child error {where}")
+                    check(
+                        method
+                        in (
+                            "get_num_new_matched_tokens",
+                            "update_state_after_alloc",
+                            "request_finished",
+                        ),
+                        f"node {node.name}: unexpected child error {where}",
+                    )
 
     @invariant()
     def requests_and_tables(self) -> None:
@@ -584,8 +672,11 @@ class KVComposeMachine(RuleBasedStateMachine):
         aborted (and counted) so the machine keeps checking kvcompose; returns whether any
         was."""
         sched = self.h.scheduler
-        stale = [r for r in sched._inflight_prefills
-                 if r.status.name in ("WAITING", "PREEMPTED") and r.num_computed_tokens == 0]
+        stale = [
+            r
+            for r in sched._inflight_prefills
+            if r.status.name in ("WAITING", "PREEMPTED") and r.num_computed_tokens == 0
+        ]
         if stale:
             STATS["vllm_bug.stale_inflight_prefill_aborted"] += len(stale)
             self.h.abort(*(r.request_id for r in stale))
@@ -599,14 +690,17 @@ class KVComposeMachine(RuleBasedStateMachine):
         drained = idle = 0
         limit = self.drain_budget()
         while self.h.has_work():
-            check(drained < limit,
-                  f"liveness: still busy after {limit} steps with no new work: "
-                  f"{self.h.describe()}; ledger {self.h.connector.ownership()}")
+            check(
+                drained < limit,
+                f"liveness: still busy after {limit} steps with no new work: "
+                f"{self.h.describe()}; ledger {self.h.connector.ownership()}",
+            )
             result = self.do_step()
             drained += 1
             out = result.kv_connector_output
             moved = result.scheduler_output.total_num_scheduled_tokens > 0 or (
-                out is not None and (out.finished_recving or out.finished_sending))
+                out is not None and (out.finished_recving or out.finished_sending)
+            )
             idle = 0 if moved else idle + 1
             # Nothing scheduled, nothing received or sent for IDLE_STEPS steps (pending
             # lookups, loads and sends take at most 4): if vLLM's stale in-flight prefill
@@ -629,22 +723,26 @@ class KVComposeMachine(RuleBasedStateMachine):
         # (7) nothing left
         self.h.assert_clean()
         for conn in leaves(self.h.connector):
-            check(not conn.live_requests(), f"scheduler-side leaf state left: "
-                                            f"{conn.live_requests()}")
+            check(
+                not conn.live_requests(), f"scheduler-side leaf state left: {conn.live_requests()}"
+            )
         for conn in leaves(self.h.worker_connector):
-            check(not conn.live_requests(), f"worker-side leaf state left: "
-                                            f"{conn.live_requests()}")
+            check(not conn.live_requests(), f"worker-side leaf state left: {conn.live_requests()}")
         check(not self.loads, f"async loads never received: {self.loads}")
         self.check_requests()
         for rid in self.h.requests:
-            check(self.root_recv[rid] == self.async_loads[rid],
-                  f"{rid}: {self.async_loads[rid]} async loads, {self.root_recv[rid]} receives")
+            check(
+                self.root_recv[rid] == self.async_loads[rid],
+                f"{rid}: {self.async_loads[rid]} async loads, {self.root_recv[rid]} receives",
+            )
             if rid in self.breaking or (self.gen is not None and self.gen.breakers):
                 continue
             expected = 1 if self.delayers.get(rid) else 0
-            check(self.root_sent[rid] == expected,
-                  f"{rid}: delayed by {sorted(self.delayers.get(rid, ()))}, "
-                  f"{self.root_sent[rid]} finished_sending")
+            check(
+                self.root_sent[rid] == expected,
+                f"{rid}: delayed by {sorted(self.delayers.get(rid, ()))}, "
+                f"{self.root_sent[rid]} finished_sending",
+            )
         note(f"{self.steps} steps, {len(self.h.requests)} requests")
 
     def record_stats(self) -> None:
@@ -665,8 +763,11 @@ class KVComposeMachine(RuleBasedStateMachine):
 
 def machine_for(shape_name: str, model_dir: Path) -> type[KVComposeMachine]:
     """The machine class for one tree shape (hypothesis builds a fresh instance per example)."""
-    return type(f"KVComposeMachine_{shape_name.replace('-', '_')}", (KVComposeMachine,),
-                {"shape": SHAPES[shape_name], "model_dir": model_dir})
+    return type(
+        f"KVComposeMachine_{shape_name.replace('-', '_')}",
+        (KVComposeMachine,),
+        {"shape": SHAPES[shape_name], "model_dir": model_dir},
+    )
 
 
 def steering() -> bool:

@@ -21,14 +21,14 @@ SHAPE_NAMES = sorted(SHAPES)
 
 @pytest.mark.parametrize("shape", SHAPE_NAMES)
 def test_random_sequences(shape: str, tiny_model: Path) -> None:
-    run_state_machine_as_test(machine_for(shape, tiny_model),
-                              settings=settings.get_profile("ci"))
+    run_state_machine_as_test(machine_for(shape, tiny_model), settings=settings.get_profile("ci"))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("HYPOTHESIS_PROFILE") != "long",
-                    reason="the long profile runs with HYPOTHESIS_PROFILE=long")
+@pytest.mark.skipif(
+    os.environ.get("HYPOTHESIS_PROFILE") != "long",
+    reason="the long profile runs with HYPOTHESIS_PROFILE=long",
+)
 @pytest.mark.parametrize("shape", SHAPE_NAMES)
 def test_random_sequences_long(shape: str, tiny_model: Path) -> None:
-    run_state_machine_as_test(machine_for(shape, tiny_model),
-                              settings=settings.get_profile("long"))
+    run_state_machine_as_test(machine_for(shape, tiny_model), settings=settings.get_profile("long"))

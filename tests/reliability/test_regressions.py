@@ -38,8 +38,9 @@ def make(tiny_model: Path) -> Iterator[Callable[..., SchedulerHarness]]:
         h.close()
 
 
-def run_holding(h: SchedulerHarness, rid: str, sender: Any, loader: Any = None,
-                max_steps: int = 40) -> None:
+def run_holding(
+    h: SchedulerHarness, rid: str, sender: Any, loader: Any = None, max_steps: int = 40
+) -> None:
     """Step until idle, checking that ``rid`` keeps its blocks until ``sender`` (the Script
     of a child that delayed the free) reported its send and ``loader`` (the Script of the
     child loading into them, if any) reported its receive."""
@@ -50,7 +51,8 @@ def run_holding(h: SchedulerHarness, rid: str, sender: Any, loader: Any = None,
         if rid not in h.scheduler.requests:
             assert sender.send_reports(rid) >= 1, "blocks freed while a child was still sending"
             assert loader is None or loader.recv_reports(rid), (
-                "blocks freed while a child was still loading into them")
+                "blocks freed while a child was still loading into them"
+            )
     raise AssertionError(f"still busy after {max_steps} steps: {h.describe()}")
 
 
@@ -64,12 +66,13 @@ def keeper(h: SchedulerHarness) -> None:
 FINISH_WHILE_LOADING = (
     "composite bug: a request finished while its async load is in flight, with a child that "
     "delays the free, gets both finished_recving and finished_sending; vLLM's scheduler "
-    "frees the request on the first and asserts on the second")
+    "frees the request on the first and asserts on the second"
+)
 
 
-
-@pytest.mark.parametrize(("load_steps", "send_steps"), [(2, 3), (3, 1)],
-                         ids=["recv-first", "send-first"])
+@pytest.mark.parametrize(
+    ("load_steps", "send_steps"), [(2, 3), (3, 1)], ids=["recv-first", "send-first"]
+)
 def test_finish_while_loading_with_a_delaying_child_abort(make, load_steps, send_steps):
     """Found as: add r1 (a: async hit, b: delay_free), step until a's load is in flight,
     abort r1, step. Whichever of a's finished_recving and b's finished_sending comes first
@@ -87,21 +90,18 @@ def test_finish_while_loading_with_a_delaying_child_abort(make, load_steps, send
     h.assert_clean()
 
 
-
 def test_finish_while_loading_with_a_delaying_child_fail_policy(make):
     """The same with ``kv_load_failure_policy="fail"``: the scheduler finishes the request
     (FINISHED_ERROR, request_finished → b delays) before it processes the finished_recving
     that came with the failure in the same output."""
     script("rel.a", Behaviour(tokens=48, is_async=True, load="fail"))
     b = script("rel.b", Behaviour(delay_free=True, send_steps=2))
-    h = make(chain("root", leaf("a", "rel.a"), leaf("b", "rel.b")),
-             kv_load_failure_policy="fail")
+    h = make(chain("root", leaf("a", "rel.a"), leaf("b", "rel.b")), kv_load_failure_policy="fail")
     rid = h.add_request(prompt(80), max_tokens=2).request_id
     keeper(h)
     run_holding(h, rid, b)
     assert "error" in str(h.finished[rid].finish_reason).lower()
     h.assert_clean()
-
 
 
 def test_finish_while_loading_with_a_delaying_child_nested(make):
@@ -143,8 +143,9 @@ def test_total_invalid_block_failure_excludes_the_owner(make):
     failed_recving, the next child (a) serves the request."""
     b = script("rel.b", Behaviour(tokens=64, is_async=True, load="invalid"))
     a = script("rel.a", Behaviour(tokens=32))
-    h = make(chain("root", leaf("b", "rel.b"), leaf("a", "rel.a")),
-             kv_load_failure_policy="recompute")
+    h = make(
+        chain("root", leaf("b", "rel.b"), leaf("a", "rel.a")), kv_load_failure_policy="recompute"
+    )
     rid = h.add_request(prompt(80), max_tokens=2).request_id
     h.run_until_idle(max_steps=40)
     assert b.lookups(rid) == 1, "the failed child must be skipped on the re-lookup"
@@ -156,8 +157,9 @@ def test_transient_total_invalid_block_failure_recovers(make):
     """The control: when the child's second load succeeds, the request completes."""
     b = script("rel.b", Behaviour(tokens=64, is_async=True, load="invalid", failed_loads=1))
     script("rel.a", Behaviour())
-    h = make(chain("root", leaf("b", "rel.b"), leaf("a", "rel.a")),
-             kv_load_failure_policy="recompute")
+    h = make(
+        chain("root", leaf("b", "rel.b"), leaf("a", "rel.a")), kv_load_failure_policy="recompute"
+    )
     rid = h.add_request(prompt(80), max_tokens=2).request_id
     h.run_until_idle(max_steps=40)
     assert b.recv_reports(rid)[0] is False and len(b.recv_reports(rid)) <= 2
@@ -191,7 +193,7 @@ def test_scripted_load_blocks_start_after_the_local_hit(make):
     h.step()
     looked_up_at = [c[2] for c in b.calls if c[0] == "lookup" and c[1] == "hit"]
     assert looked_up_at == [2 * BLOCK]
-    (_, blocks), = b.allocations("hit")
+    ((_, blocks),) = b.allocations("hit")
     bad = [c[1] for c in b.calls if c[0] == "invalid_report"]
     assert bad == [(blocks[2],)], "the first loaded block, after the two cached ones"
     h.run_until_idle(max_steps=20)
@@ -199,21 +201,33 @@ def test_scripted_load_blocks_start_after_the_local_hit(make):
 
 
 # --------------------------------------------------- vLLM's own bug, no kvcompose involved
-@pytest.mark.xfail(strict=True, reason=(
-    "vLLM bug (0.32 and 0.33): after a total async-load failure under recompute the request "
-    "stays in Scheduler._inflight_prefills, so a second async load for it reserves its own "
-    "blocks twice and is never admitted when the pool holds less than twice the request"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "vLLM bug (0.32 and 0.33): after a total async-load failure under recompute the request "
+        "stays in Scheduler._inflight_prefills, so a second async load for it reserves its own "
+        "blocks twice and is never admitted when the pool holds less than twice the request"
+    ),
+)
 def test_vllm_readmits_a_request_after_its_async_load_failed(tiny_model):
     """A single connector, no kvcompose: its first async load fails, the re-lookup offers an
     async load again (a retry), and the pool (9 blocks) is smaller than twice the request
     (5 blocks). The machine found this as a liveness failure behind a kvcompose fallback."""
     s = script("rel.only", Behaviour(tokens=67, is_async=True, load="fail", failed_loads=1))
-    h = SchedulerHarness(tiny_model, {
-        "kv_connector": "ScriptedConnector", "kv_role": "kv_both",
-        "kv_connector_module_path": "kvcompose.testing.scripted",
-        "kv_connector_extra_config": {"script": "rel.only"}},
-        block_size=BLOCK, num_blocks=10, max_model_len=128, with_worker=True,
-        kv_load_failure_policy="recompute")
+    h = SchedulerHarness(
+        tiny_model,
+        {
+            "kv_connector": "ScriptedConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "kvcompose.testing.scripted",
+            "kv_connector_extra_config": {"script": "rel.only"},
+        },
+        block_size=BLOCK,
+        num_blocks=10,
+        max_model_len=128,
+        with_worker=True,
+        kv_load_failure_policy="recompute",
+    )
     try:
         rid = h.add_request(prompt(69), max_tokens=1).request_id
         h.run_until_idle(max_steps=60)
