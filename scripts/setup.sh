@@ -27,7 +27,7 @@ for arg in "$@"; do
   case "$arg" in
     --no-run) RUN_MAIN=0 ;;
     --quiet) QUIET=1 ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup.sh: unknown argument: $arg (try --help)" >&2; exit 2 ;;
   esac
 done
