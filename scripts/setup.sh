@@ -230,10 +230,11 @@ pkg_uninstall() {  # pkg_uninstall VENV NAMES...
 }
 
 # verify_env VENV MODULE... <<CHECK: run the Python CHECK in VENV (VLLM_TARGET_DEVICE=cpu).
-# With uv, the same process then imports MODULE... and every kvcompose module with bytecode
-# writing on: uv installs without compiling (pip compiles all 38,000 files, most of its install
-# time), so this compiles what kvcompose's tests, engines and bench import, once, also where
-# PYTHONDONTWRITEBYTECODE is set (else every process would compile vLLM anew).
+# uv installs without compiling bytecode (pip compiles all 38,000 files: most of its install
+# time), so after uv the check runs with bytecode writing on and leaves the .pyc files of what
+# it imports. Where PYTHONDONTWRITEBYTECODE is set, no later process would ever write the rest
+# and each would compile vLLM's engine anew; then the same process also imports MODULE... and
+# every kvcompose module, once. (Without that variable the first test run writes them.)
 WARM_PY='
 import importlib, os, pkgutil, sys
 sys.stdout.flush(); sys.stderr.flush()
@@ -257,7 +258,7 @@ verify_env() {
   local venv="$1"; shift
   local check
   check=$(cat)
-  if [[ "$INSTALLER" == uv ]]; then
+  if [[ "$INSTALLER" == uv && -n "${PYTHONDONTWRITEBYTECODE:-}" ]]; then
     env -u PYTHONDONTWRITEBYTECODE VLLM_TARGET_DEVICE=cpu KVCOMPOSE_WARM_LOG="$(log_of "$venv")" \
       "$venv/bin/python" -c "$check
 $WARM_PY" "$@"
