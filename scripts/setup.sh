@@ -80,7 +80,7 @@ step() {  # step "description" -- announce the next step (deferred with --quiet)
 show_header() {
   if [[ -n "${PENDING_HEADER:-}" ]]; then echo "$PENDING_HEADER"; PENDING_HEADER=""; fi
 }
-work() { STEP_WORKED=1; show_header; choose_installer; }  # the current step has work to do
+work() { STEP_WORKED=1; show_header; }  # the current step has work to do
 say() { show_header; echo "             $*"; }
 
 hash_of() { printf '%s' "$*" | sha256sum | cut -c1-16; }
@@ -110,9 +110,10 @@ logged() {
 log_of() { echo "$1/.kvcompose-stamps/install.log"; }
 
 # ----------------------------------------------------------------------------- the installer
-# uv when it can be had (about 5x faster here, and the two environments share each package's
+# uv when it can be had (about 3x faster here, and the two environments share each package's
 # files through uv's cache), else pip. uv lives outside both environments, so it creates them
-# and their `pip freeze` lists exactly what pip would have installed.
+# and their `pip freeze` lists exactly what pip would have installed. Chosen (and uv fetched)
+# when the first step installs something.
 choose_installer() {
   [[ -z "$INSTALLER" ]] || return 0
   INSTALLER=pip
@@ -185,16 +186,13 @@ PYEOF
   export UV_PYTHON_DOWNLOADS=never  # use $PY, never fetch a Python
 }
 
-# make_venv VENV: a new environment with pip in it (uv venv + pip, or python -m venv + pip).
+# make_venv VENV: VENV (created unless it exists: uv venv, or python -m venv) with the latest pip.
 make_venv() {
   local venv="$1"
-  if [[ "$INSTALLER" == uv ]]; then
-    if logged "$(log_of "$venv")" "$UV" venv --quiet --allow-existing \
-      --python "$(command -v "$PY")" "$venv" \
-      && pkg_install "$venv" pip; then
-      return 0
-    fi
-    fall_back_to_pip
+  choose_installer
+  if [[ ! -x "$venv/bin/python" && "$INSTALLER" == uv ]]; then
+    logged "$(log_of "$venv")" "$UV" venv --quiet --allow-existing \
+      --python "$(command -v "$PY")" "$venv" || fall_back_to_pip
   fi
   [[ -x "$venv/bin/python" ]] || logged "$(log_of "$venv")" "$PY" -m venv "$venv"
   pkg_install "$venv" --upgrade pip
@@ -209,6 +207,7 @@ fall_back_to_pip() {
 # falls back to pip for this and every later step. SETUP_UV_ONLY: arguments for uv only.
 pkg_install() {
   local venv="$1"; shift
+  choose_installer
   if [[ "$INSTALLER" == uv ]]; then
     if logged "$(log_of "$venv")" "$UV" pip install --python "$venv/bin/python" \
       "${SETUP_UV_ARGS[@]}" ${SETUP_UV_ONLY:+"${SETUP_UV_ONLY[@]}"} "$@"; then
@@ -222,6 +221,7 @@ pkg_install() {
 
 pkg_uninstall() {  # pkg_uninstall VENV NAMES...
   local venv="$1"; shift
+  choose_installer
   if [[ "$INSTALLER" == uv ]]; then
     logged "$(log_of "$venv")" "$UV" pip uninstall --python "$venv/bin/python" "$@"
   else
@@ -231,10 +231,10 @@ pkg_uninstall() {  # pkg_uninstall VENV NAMES...
 
 # verify_env VENV MODULE... <<CHECK: run the Python CHECK in VENV (VLLM_TARGET_DEVICE=cpu).
 # uv installs without compiling bytecode (pip compiles all 38,000 files: most of its install
-# time), so after uv the check runs with bytecode writing on and leaves the .pyc files of what
-# it imports. Where PYTHONDONTWRITEBYTECODE is set, no later process would ever write the rest
-# and each would compile vLLM's engine anew; then the same process also imports MODULE... and
-# every kvcompose module, once. (Without that variable the first test run writes them.)
+# time); Python then writes the .pyc files of what it imports, the first time. Where
+# PYTHONDONTWRITEBYTECODE is set nothing would ever write them, and every process would
+# compile vLLM anew: for a vLLM that uv installed, the check then runs with bytecode writing on,
+# and the same process also imports MODULE... and every kvcompose module, once.
 WARM_PY='
 import importlib, os, pkgutil, sys
 sys.stdout.flush(); sys.stderr.flush()
@@ -258,7 +258,8 @@ verify_env() {
   local venv="$1"; shift
   local check
   check=$(cat)
-  if [[ "$INSTALLER" == uv && -n "${PYTHONDONTWRITEBYTECODE:-}" ]]; then
+  if [[ -n "${PYTHONDONTWRITEBYTECODE:-}" ]] \
+    && grep -qx uv "$venv"/lib/python3*/site-packages/vllm*.dist-info/INSTALLER 2>/dev/null; then
     env -u PYTHONDONTWRITEBYTECODE VLLM_TARGET_DEVICE=cpu KVCOMPOSE_WARM_LOG="$(log_of "$venv")" \
       "$venv/bin/python" -c "$check
 $WARM_PY" "$@"
@@ -387,7 +388,6 @@ VERIFY_KEY=$(hash_of "$(cat "$VENV"/.kvcompose-stamps/{venv,deps,nixl})")
 VERIFY_PID=""
 VERIFY_OUT="$VENV/.kvcompose-stamps/verify.out"
 if ! stamp_ok "$VENV" verify "$VERIFY_KEY"; then
-  choose_installer
   (
     trap - ERR
     verify_env "$VENV" vllm.entrypoints.llm vllm.v1.engine.core vllm.v1.engine.llm_engine \
@@ -425,11 +425,7 @@ if stamp_ok "$VENV033" deps "$KEY" && [[ -x "$VENV033/bin/python" ]]; then
   skip
 else
   work
-  if [[ -x "$VENV033/bin/python" ]]; then
-    pkg_install "$VENV033" --upgrade pip
-  else
-    make_venv "$VENV033"
-  fi
+  make_venv "$VENV033"
   if [[ "$INSTALLER" == uv ]]; then
     # One resolution for what pip installs in three calls (the same pins: each of pip's calls
     # takes the newest versions that fit, and none constrains another), then the two wheels
