@@ -230,8 +230,8 @@ pkg_uninstall() {  # pkg_uninstall VENV NAMES...
 }
 
 # verify_env VENV MODULE... <<CHECK: run the Python CHECK in VENV (VLLM_TARGET_DEVICE=cpu).
-# uv installs without compiling bytecode (pip compiles all 38,000 files: most of its install
-# time); Python then writes the .pyc files of what it imports, the first time. Where
+# uv installs without compiling bytecode (pip compiles all 38,000 files: half its CPU time at
+# install); Python then writes the .pyc files of what it imports, the first time. Where
 # PYTHONDONTWRITEBYTECODE is set nothing would ever write them, and every process would
 # compile vLLM anew: for a vLLM that uv installed, the check then runs with bytecode writing on,
 # and the same process also imports MODULE... and every kvcompose module, once.
