@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from kvcompose.bench.flags import opt
-from kvcompose.bench.noop import MODULE_PATH, noop_config
 from kvcompose.bench.results import (
     OverheadEntry,
     OverheadMeta,
@@ -70,6 +69,7 @@ class OverheadOptions:
 
 
 def configurations(children: list[int]) -> dict[str, dict[str, Any] | None]:
+    from kvcompose.bench.noop import MODULE_PATH, noop_config  # imports vLLM
     from kvcompose.config import load_config
     from kvcompose.config.render import vllm_args
 

@@ -103,7 +103,8 @@ def test_health_checks_take_a_backend_out_and_put_it_back(bed):
 
 
 def test_unreachable_backends_are_a_503_naming_them(bed):
-    from conftest import ProxyConfig, ServerThread, create_app
+    from kvcompose.proxy import ProxyConfig, create_app
+    from kvcompose.testing.scripted_vllm import ServerThread
 
     dead = "http://127.0.0.1:9"  # the discard port: nothing listens there
     app = create_app(ProxyConfig(prefill=[dead], decode=[bed.urls["d1"]], backoff_s=0.01))
