@@ -25,6 +25,7 @@ import pytest
 from proxy_sse import stream
 
 from kvcompose.proxy import ProxyConfig, create_app
+from kvcompose.testing import faulty_store
 from kvcompose.testing.pd_servers import VLLMServer, rendered_config
 from kvcompose.testing.scripted_vllm import ServerThread
 
@@ -53,6 +54,8 @@ def servers(
         "path"
     ] = str(tmp / "p")
     disk = d_cfg["kv_connector_extra_config"]["tree"]["chain"]["children"][0]["leaf"]
+    # the fault-injecting double of the store (kvcompose.testing.faulty_store) on D
+    disk["connector"], disk["module_path"] = faulty_store.CONNECTOR, faulty_store.MODULE_PATH
     disk["extra_config"] = {
         "path": str(tmp / "d"),
         "fail_load_request_ids": [f"cmpl-{r}-1-d-0" for r in FAULTY],
