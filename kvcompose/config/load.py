@@ -7,7 +7,7 @@ import dataclasses
 import importlib.util
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -34,6 +34,7 @@ from kvcompose.config.errors import (
     shown_list,
 )
 from kvcompose.config.include import Referrer, including
+from kvcompose.config.loaded import Config, identity
 from kvcompose.config.messages import items_from_validation
 from kvcompose.config.plain import check_plain
 from kvcompose.config.source import Source, gc_paused
@@ -41,7 +42,6 @@ from kvcompose.tree import (
     NODE_KINDS,
     TRANSFER_FIELDS,
     TREE_KEY,
-    VERSION,
     Leaf,
     Node,
     parse_node,
@@ -61,44 +61,6 @@ NESTED_COMPOSITES = frozenset(
     }
     | {("MultiConnector", "kvcompose.compat")}
 )
-
-
-def _identity(path: Path) -> Path:
-    return path
-
-
-@dataclass(frozen=True)
-class Config:
-    """A loaded config: the tree plus what the CLI needs to explain and print it.
-
-    ``tree`` is what the composite runs: every node named, every leaf holding the
-    document's top-level ``KVTransferConfig`` fields it does not set itself. ``document`` is the
-    normalised user-format document (every node named, overrides applied).
-    """
-
-    tree: Node
-    document: dict[str, Any] | None = None
-    transfer: dict[str, Any] = field(default_factory=dict)  # top-level KVTransferConfig fields
-    hma: bool | None = None  # None: auto
-    version: int = VERSION
-    label: str | None = None
-    path: str | None = None  # the file, when the config came from one
-    nodes: dict[str, NodeInfo] = field(default_factory=dict)
-    warnings: tuple[str, ...] = ()
-    overrides: tuple[str, ...] = ()  # applied overrides, in order
-    origin: str = "document"  # document | multiconnector | kvcompose-args | internal
-    #: When the input was a ``--kv-transfer-config``: its ``kv_connector`` and module path.
-    loaded_as: tuple[str, str | None] | None = None
-    linemap: Mapping[Path, int] | None = field(default=None, repr=False, compare=False)
-    translate: Translate = field(default=_identity, repr=False, compare=False)
-    facts: Any = field(default=None, repr=False, compare=False)  # VllmFacts, when checked
-
-    def error(self, path: Path, message: str) -> ConfigError:
-        """A ``ConfigError`` about ``path`` (a document path), with file and line."""
-        return ConfigError(located(self.linemap, self.translate(tuple(path)), message), self.label)
-
-    def leaf_paths(self) -> dict[str, Path]:
-        return {n.name: n.path for n in self.nodes.values() if n.kind == "leaf"}
 
 
 # --------------------------------------------------------------------------- public API
@@ -224,7 +186,7 @@ def _from_extra(
         return _internal(extra[TREE_KEY], outer.label, (*prefix, TREE_KEY))
     found = _split_extra(extra, env, outer, prefix)
     with _opened(found) as src:
-        translate = _identity
+        translate = identity
         if found.inline is not None and prefix:
 
             def translate(path: Path) -> Path:
@@ -400,7 +362,7 @@ def _load(
     check_vllm: bool | None,
     *,
     env: Mapping[str, str],
-    translate: Translate = _identity,
+    translate: Translate = identity,
     origin: str = "document",
 ) -> Config:
     data = src.data
@@ -438,7 +400,7 @@ def _load(
         check_plain(override.value, override.source)
         document = apply_override(compiled.document, override)
         try:
-            compiled = compile_document(document, override.source, None, _identity)
+            compiled = compile_document(document, override.source, None, identity)
         except ConfigError as exc:
             raise exc.relabel(override.source) from None
         applied.append(override.source)

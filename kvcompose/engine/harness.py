@@ -21,7 +21,6 @@ import os
 import time
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,69 +29,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+from kvcompose.engine.harness_results import FinishedRequest, HarnessStuck, StepResult
+from kvcompose.engine.kv_cache import make_kv_cache_configs
+
 #: First token id the harness "samples" from (ids below are the tiny model's special tokens).
 _FIRST_SAMPLED_ID = 4
-
-
-@dataclass
-class FinishedRequest:
-    """How a request ended, as the engine would report it."""
-
-    request_id: str
-    #: ``vllm.v1.engine.FinishReason`` (``STOP``, ``LENGTH``, ``ABORT``, ``ERROR``...);
-    #: ``ABORT`` for a request aborted through ``SchedulerHarness.abort``.
-    finish_reason: Any
-    stop_reason: Any = None
-    #: What the connector's ``request_finished`` returned for the client (P/D hand-off params).
-    kv_transfer_params: dict[str, Any] | None = None
-    #: All token ids the request produced.
-    output_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class StepResult:
-    """Everything one harness step saw and produced."""
-
-    step: int
-    scheduler_output: SchedulerOutput
-    #: What ``update_from_output`` returned: ``{client_index: EngineCoreOutputs}``.
-    engine_core_outputs: dict[int, EngineCoreOutputs]
-    #: The (aggregated) ``KVConnectorOutput`` that was fed back to the scheduler, or None.
-    kv_connector_output: KVConnectorOutput | None
-    #: Requests that finished in this step (including those aborted by the scheduler).
-    finished: dict[str, FinishedRequest] = field(default_factory=dict)
-    #: ``req_id -> token ids`` sampled in this step (empty list for a partial prefill chunk).
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-
-    @property
-    def scheduled(self) -> dict[str, int]:
-        """``req_id -> number of tokens`` scheduled in this step."""
-        return dict(self.scheduler_output.num_scheduled_tokens)
-
-    @property
-    def outputs(self) -> list[EngineCoreOutput]:
-        return [o for eco in self.engine_core_outputs.values() for o in eco.outputs]
-
-    @property
-    def scheduler_stats(self) -> Any:
-        """The ``SchedulerStats`` this step reported (the scheduler logs with stats on), or
-        None. Per-step counters such as ``connector_prefix_cache_stats`` live here."""
-        for eco in self.engine_core_outputs.values():
-            if eco.scheduler_stats is not None:
-                return eco.scheduler_stats
-        return None
-
-    @property
-    def finished_ids(self) -> set[str]:
-        return set(self.finished)
-
-
-class HarnessStuck(AssertionError):
-    """``run_until_idle`` hit ``max_steps`` with requests still in the scheduler."""
 
 
 class SchedulerHarness:
@@ -162,7 +106,7 @@ class SchedulerHarness:
         )
         self.vllm_config = args.create_engine_config()
         worker_kv_cache_config, self.kv_cache_config, sched_block_size, hash_block_size = (
-            _make_kv_cache_configs(self.vllm_config, num_blocks)
+            make_kv_cache_configs(self.vllm_config, num_blocks)
         )
         self.block_size = sched_block_size
         self.vocab_size = self.vllm_config.model_config.get_vocab_size()
@@ -527,67 +471,3 @@ _QUEUE_ATTRS = (
 
 def _ids(queue: Any) -> list[str]:
     return sorted(getattr(x, "request_id", str(x)) for x in queue)
-
-
-def _make_kv_cache_configs(vllm_config: Any, num_blocks: int) -> tuple[Any, Any, int, int]:
-    """What EngineCore._initialize_kv_caches does, with per-layer specs made from the model
-    config instead of a model: returns (worker config, scheduler config, scheduler block
-    size, hash block size)."""
-    import vllm.v1.core.kv_cache_utils as kcu
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    model_config = vllm_config.model_config
-    cache_config = vllm_config.cache_config
-    parallel_config = vllm_config.parallel_config
-    spec = FullAttentionSpec(
-        block_size=cache_config.block_size,
-        num_kv_heads=model_config.get_num_kv_heads(parallel_config),
-        head_size=model_config.get_head_size(),
-        dtype=model_config.dtype,
-    )
-    num_layers = model_config.get_num_layers(parallel_config)
-    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
-    # As EngineCore: resolve one KV cache layout from what the attention backends support.
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-    from vllm.v1.attention.backends.utils import (
-        get_supported_kv_cache_layouts,
-        resolve_kv_cache_layout,
-    )
-
-    layouts = [
-        layout.name
-        for layout in get_supported_kv_cache_layouts(get_current_attn_backends(vllm_config))
-    ]
-    resolve_kv_cache_layout(vllm_config, [layouts], list(specs.values()))
-
-    # num_gpu_blocks_override fixes the count; the memory only has to be large enough.
-    memory = (num_blocks + 1) * spec.page_size_bytes * num_layers
-
-    try:  # vLLM 0.33: planning split out of kv_cache_utils, groups computed first
-        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_configs as _configs
-
-        groups = get_global_kv_cache_groups(vllm_config, [specs])
-        adjust = getattr(vllm_config, "adjust_dcp_kv_cache_interleave_size", None)
-        if adjust is not None:
-            adjust(groups)
-        worker_configs = _configs(vllm_config, [specs], [memory], groups)
-    except ImportError:  # vLLM 0.32
-        worker_configs = kcu.get_kv_cache_configs(vllm_config, [specs], [memory])
-
-    sched_config = kcu.generate_scheduler_kv_cache_config(worker_configs)
-    cache_config.num_gpu_blocks = sched_config.num_blocks
-    sched_block_size, hash_block_size = kcu.resolve_kv_cache_block_sizes(sched_config, vllm_config)
-    resolve_align = getattr(kcu, "resolve_cache_hit_alignment_tokens", None)
-    align = (
-        resolve_align(sched_config, vllm_config, sched_block_size, hash_block_size)
-        if resolve_align is not None
-        else None
-    )
-    for cfg in (*worker_configs, sched_config):
-        cfg.kv_cache_layout = cache_config.kv_cache_layout
-        if hasattr(cfg, "hash_block_size"):
-            cfg.hash_block_size = hash_block_size
-        if align is not None and hasattr(cfg, "cache_hit_alignment_tokens"):
-            cfg.cache_hit_alignment_tokens = align
-    return worker_configs[0], sched_config, sched_block_size, hash_block_size

@@ -1,0 +1,74 @@
+"""The KV cache configuration ``EngineCore`` would build, made without a model.
+
+``SchedulerHarness`` needs vLLM's real ``KVCacheConfig`` (block counts, layout, hash block
+size) to build a real ``Scheduler``; these follow ``EngineCore._initialize_kv_caches`` with
+per-layer attention specs taken from the model config, on vLLM 0.32 and 0.33.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def make_kv_cache_configs(vllm_config: Any, num_blocks: int) -> tuple[Any, Any, int, int]:
+    """What EngineCore._initialize_kv_caches does, with per-layer specs made from the model
+    config instead of a model: returns (worker config, scheduler config, scheduler block
+    size, hash block size)."""
+    import vllm.v1.core.kv_cache_utils as kcu
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    parallel_config = vllm_config.parallel_config
+    spec = FullAttentionSpec(
+        block_size=cache_config.block_size,
+        num_kv_heads=model_config.get_num_kv_heads(parallel_config),
+        head_size=model_config.get_head_size(),
+        dtype=model_config.dtype,
+    )
+    num_layers = model_config.get_num_layers(parallel_config)
+    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
+    # As EngineCore: resolve one KV cache layout from what the attention backends support.
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+
+    layouts = [
+        layout.name
+        for layout in get_supported_kv_cache_layouts(get_current_attn_backends(vllm_config))
+    ]
+    resolve_kv_cache_layout(vllm_config, [layouts], list(specs.values()))
+
+    # num_gpu_blocks_override fixes the count; the memory only has to be large enough.
+    memory = (num_blocks + 1) * spec.page_size_bytes * num_layers
+
+    try:  # vLLM 0.33: planning split out of kv_cache_utils, groups computed first
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_configs as _configs
+
+        groups = get_global_kv_cache_groups(vllm_config, [specs])
+        adjust = getattr(vllm_config, "adjust_dcp_kv_cache_interleave_size", None)
+        if adjust is not None:
+            adjust(groups)
+        worker_configs = _configs(vllm_config, [specs], [memory], groups)
+    except ImportError:  # vLLM 0.32
+        worker_configs = kcu.get_kv_cache_configs(vllm_config, [specs], [memory])
+
+    sched_config = kcu.generate_scheduler_kv_cache_config(worker_configs)
+    cache_config.num_gpu_blocks = sched_config.num_blocks
+    sched_block_size, hash_block_size = kcu.resolve_kv_cache_block_sizes(sched_config, vllm_config)
+    resolve_align = getattr(kcu, "resolve_cache_hit_alignment_tokens", None)
+    align = (
+        resolve_align(sched_config, vllm_config, sched_block_size, hash_block_size)
+        if resolve_align is not None
+        else None
+    )
+    for cfg in (*worker_configs, sched_config):
+        cfg.kv_cache_layout = cache_config.kv_cache_layout
+        if hasattr(cfg, "hash_block_size"):
+            cfg.hash_block_size = hash_block_size
+        if align is not None and hasattr(cfg, "cache_hit_alignment_tokens"):
+            cfg.cache_hit_alignment_tokens = align
+    return worker_configs[0], sched_config, sched_block_size, hash_block_size
