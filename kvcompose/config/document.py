@@ -42,13 +42,12 @@ def document_from_tree(tree: Node, transfer: dict[str, Any] | None = None) -> di
     return document_dict(doc, _without_inherited(tree, inherited))
 
 
+_UNSET = object()
+
+
 def _without_inherited(node: Node, inherited: dict[str, Any]) -> Node:
     if isinstance(node, Leaf):
-        own = {
-            k: v
-            for k, v in node.transfer_config.items()
-            if inherited.get(k, v) != v or k not in inherited
-        }
+        own = {k: v for k, v in node.transfer_config.items() if inherited.get(k, _UNSET) != v}
         dropped = {
             key
             for key in TRANSFER_FIELDS

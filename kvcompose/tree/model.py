@@ -30,7 +30,6 @@ from pydantic import (
     Field,
     Tag,
     TypeAdapter,
-    field_validator,
     model_validator,
 )
 
@@ -155,18 +154,19 @@ class Leaf(_Node):
         return out
 
 
-Children = Annotated[
-    tuple["Node", ...],
-    Field(
-        strict=False, description="The child nodes, in order.", json_schema_extra={"minItems": 1}
-    ),
-]
-
-
 def _not_empty(value: Any) -> Any:
     if isinstance(value, (list, tuple)) and not value:
         raise custom_error("is empty: a composite needs at least one child")
     return value
+
+
+Children = Annotated[
+    tuple["Node", ...],
+    BeforeValidator(_not_empty),
+    Field(
+        strict=False, description="The child nodes, in order.", json_schema_extra={"minItems": 1}
+    ),
+]
 
 
 class Chain(_Node):
@@ -186,8 +186,6 @@ class Chain(_Node):
     on_error: OnErrorField = "miss"
     children: Children
 
-    _children_not_empty = field_validator("children", mode="before")(_not_empty)
-
 
 class Fanout(_Node):
     """Saves to every child; loads from none (``load_from`` null) or from one named child."""
@@ -202,8 +200,6 @@ class Fanout(_Node):
     save: SaveField = True
     on_error: OnErrorField = "miss"
     children: Children
-
-    _children_not_empty = field_validator("children", mode="before")(_not_empty)
 
 
 class RouteRule(_Model):
@@ -288,8 +284,6 @@ class Route(_Node):
     save: SaveField = True
     on_error: OnErrorField = "miss"
     children: Children
-
-    _children_not_empty = field_validator("children", mode="before")(_not_empty)
 
 
 def _kind_of(value: Any) -> str | None:
