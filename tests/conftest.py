@@ -37,7 +37,7 @@ collect_ignore = (
 def tiny_model() -> Path:
     """The tiny Llama (2 layers, hidden 128, 4 heads of 32, vocab 1024, seed 0), built once
     under ``$KVCOMPOSE_CACHE`` (default ``~/.cache/kvcompose``) and reused across runs."""
-    from kvcompose.testing.tiny_model import build_tiny_model, default_cache_dir
+    from kvcompose.engine.model import build_tiny_model, default_cache_dir
 
     return build_tiny_model(default_cache_dir() / "tiny-llama")
 
@@ -47,7 +47,7 @@ def harness_factory(tiny_model: Path) -> Iterator[Callable[..., Any]]:
     """``harness_factory(kv_transfer_config=None, **kw)`` → a ``SchedulerHarness`` over the
     tiny model (keywords as ``SchedulerHarness``; ``model_dir=`` picks another model).
     Every harness made is closed after the test."""
-    from kvcompose.testing.harness import SchedulerHarness
+    from kvcompose.engine.harness import SchedulerHarness
 
     made: list[SchedulerHarness] = []
 

@@ -28,7 +28,7 @@ mkdir -p "$LOGS"
 MODEL="${1:-}"
 if [[ -z "$MODEL" ]]; then
   # ~1 MB Llama with random weights and a w0..w1019 word tokenizer (no download)
-  MODEL="$("$PYTHON" -m kvcompose.testing.tiny_model | tail -1)"
+  MODEL="$("$PYTHON" -m kvcompose.engine.model | tail -1)"
 fi
 
 # CPU-only machines: a small host KV cache, passive OpenMP threads (2 cores shared by two

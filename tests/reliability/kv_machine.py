@@ -324,7 +324,7 @@ class KVComposeMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ set-up
     @initialize(data=st.data())
     def build(self, data: st.DataObject) -> None:
-        from kvcompose.testing.harness import SchedulerHarness
+        from kvcompose.engine.harness import SchedulerHarness
 
         policy = data.draw(st.sampled_from(("recompute", "fail")), label="failure_policy")
         deadline_zero = data.draw(st.booleans(), label="deadline_zero")

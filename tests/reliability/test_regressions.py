@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from kv_machine import BLOCK
 
-from kvcompose.testing.harness import SchedulerHarness
+from kvcompose.engine.harness import SchedulerHarness
 from kvcompose.testing.scripted import Behaviour, leaf, script
 from kvcompose.testing.trees import chain, kvcompose_config, prompt
 

@@ -14,6 +14,6 @@ engine_env()
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The shared tiny Llama (2 layers, hidden 128, 4 heads of 32, vocab 1024, seed 0)."""
-    from kvcompose.testing.tiny_model import build_tiny_model, default_cache_dir
+    from kvcompose.engine.model import build_tiny_model, default_cache_dir
 
     return Path(build_tiny_model(default_cache_dir() / "tiny-llama"))
