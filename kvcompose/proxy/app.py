@@ -76,6 +76,7 @@ def create_app(config: ProxyConfig, *, http_client: httpx.AsyncClient | None = N
     metrics = ProxyMetrics()
     pool = BackendPool.from_urls(config.prefill, config.decode)
     pool.on_change = metrics.backend_changed
+    pool.slow_checks_out = config.health_timeouts_out
     for backend in pool.all():
         metrics.backend_changed(backend)
     state: dict[str, Any] = {"models": []}

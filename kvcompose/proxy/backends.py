@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Role = Literal["prefill", "decode"]
+#: a health check's answer: ``slow`` is a timeout (busy or dying), ``down`` a refusal or an
+#: error status; a check function may also answer ``True``/``False`` (``ok``/``down``)
+Health = Literal["ok", "slow", "down"]
 
 log = logging.getLogger("kvcompose.proxy")
 
@@ -31,6 +34,7 @@ class Backend:
     last_failure: float = 0.0
     last_error: str = ""
     served: int = 0
+    slow_checks: int = 0  # health checks timed out in a row
 
     @contextlib.contextmanager
     def use(self) -> Iterator[Backend]:
@@ -48,6 +52,8 @@ class BackendPool:
     prefill: list[Backend] = field(default_factory=list)
     decode: list[Backend] = field(default_factory=list)
     on_change: Callable[[Backend], None] | None = None
+    #: health checks timed out in a row that take a backend out (a refused check: one)
+    slow_checks_out: int = 3
 
     @classmethod
     def from_urls(cls, prefill: list[str], decode: list[str]) -> BackendPool:
@@ -89,7 +95,7 @@ class BackendPool:
 
 
 async def health_loop(
-    pool: BackendPool, check: Callable[[Backend], Awaitable[bool]], interval: float
+    pool: BackendPool, check: Callable[[Backend], Awaitable[Health | bool]], interval: float
 ) -> None:
     """Check every backend every ``interval`` seconds, forever (cancel to stop)."""
     while True:
@@ -97,12 +103,26 @@ async def health_loop(
         await asyncio.sleep(interval)
 
 
-async def check_all(pool: BackendPool, check: Callable[[Backend], Awaitable[bool]]) -> None:
+async def check_all(
+    pool: BackendPool, check: Callable[[Backend], Awaitable[Health | bool]]
+) -> None:
+    """One health check of every backend. A refused or failed check takes a backend out at
+    once; timeouts only when ``pool.slow_checks_out`` come in a row: an engine busy with a
+    long prefill on a loaded machine answers ``/health`` late, and taking it out for that
+    would send all traffic to the others (requests to a dead one fail fast anyway)."""
     backends = pool.all()
     results = await asyncio.gather(*(check(b) for b in backends), return_exceptions=True)
-    for backend, ok in zip(backends, results, strict=True):
-        if ok is True:
+    for backend, result in zip(backends, results, strict=True):
+        if result is True or result == "ok":
+            backend.slow_checks = 0
             pool.mark_healthy(backend)
+        elif result == "slow":
+            backend.slow_checks += 1
+            if backend.slow_checks >= pool.slow_checks_out:
+                pool.mark_failed(backend, f"{backend.slow_checks} health checks timed out")
         else:
-            reason = "health check failed" if ok is False else f"health check: {ok!r}"
+            backend.slow_checks = 0
+            reason = (
+                "health check failed" if result in (False, "down") else f"health check: {result!r}"
+            )
             pool.mark_failed(backend, reason)

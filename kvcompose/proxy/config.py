@@ -37,6 +37,12 @@ class ProxyConfig(BaseModel):
     backoff_s: float = Field(0.05, ge=0, description="wait before the second attempt")
     backoff_max_s: float = Field(1.0, ge=0)
     health_interval_s: float = Field(2.0, gt=0, description="seconds between health checks")
+    health_timeouts_out: int = Field(
+        3,
+        ge=1,
+        description="health checks timed out in a row that take a backend out of rotation "
+        "(a refused or failed check takes it out at once)",
+    )
     timeouts: Timeouts = Field(default_factory=Timeouts)
     release_stale_handoffs: bool = Field(
         True,

@@ -178,7 +178,7 @@ class Router:
     ) -> AsyncIterator[Delta | Finish]:  # fmt: skip
         rid = f"{req.request_id}-{attempt}"
         prompt = [*req.prompt_ids, *delivered]
-        params = await self._prefill(req, rid, prompt, attempt, avoid)
+        params, prefill = await self._prefill(req, rid, prompt, attempt, avoid)
 
         decode = self.pool.pick("decode", avoid)
         if decode is None:
@@ -254,10 +254,16 @@ class Router:
                 self.pool.mark_failed(decode, str(exc))
             if not started:
                 self._release_later(params, rid)
+            if got == 0:
+                avoid.add(prefill.url)
             cause = "stream_dropped" if started else "decode_failed"
             raise _Retry(cause, str(exc)) from exc
         except _Retry:
             avoid.add(decode.url)
+            if got == 0:
+                # D failed before its first token: most often the hand-off itself (P died,
+                # its blocks are gone, its lease ran out), so P is suspect as well.
+                avoid.add(prefill.url)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away. D aborts a request whose connection closed, and its
@@ -270,8 +276,9 @@ class Router:
         finally:
             self.metrics.backend_seconds.labels(role="decode").observe(time.monotonic() - t0)
 
-    async def _prefill(self, req: GenerationRequest, rid: str, prompt: list[int],
-                       attempt: int, avoid: set[str]) -> dict[str, Any]:  # fmt: skip
+    async def _prefill(
+        self, req: GenerationRequest, rid: str, prompt: list[int], attempt: int, avoid: set[str]
+    ) -> tuple[dict[str, Any], Backend]:
         backend = self.pool.pick("prefill", avoid)
         if backend is None:
             raise _Retry("no_prefill", "no healthy prefill backend")
@@ -299,7 +306,7 @@ class Router:
         finally:
             self.metrics.backend_seconds.labels(role="prefill").observe(time.monotonic() - t0)
         log.debug("req=%s attempt=%d prefilled on %s", req.request_id, attempt, backend.url)
-        return params
+        return params, backend
 
     async def _call_prefill(self, backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
         with backend.use():

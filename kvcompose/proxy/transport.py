@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import httpx
 
-from kvcompose.proxy.backends import Backend
+from kvcompose.proxy.backends import Backend, Health
 from kvcompose.proxy.config import Timeouts
 
 ErrorKind = Literal["unreachable", "timeout", "status", "stream", "protocol"]
@@ -75,12 +75,16 @@ class Transport:
                                f"{_error_message(data)}", resp.status_code, data)  # fmt: skip
         return data
 
-    async def health(self, backend: Backend) -> bool:
+    async def health(self, backend: Backend) -> Health:
+        """``ok``; ``slow`` when no answer came within the health timeout (a busy engine);
+        ``down`` when refused, reset or answered with an error status."""
         try:
             resp = await self.client.get(f"{backend.url}/health", timeout=self.timeouts.health)
+        except httpx.TimeoutException:
+            return "slow"
         except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
+            return "down"
+        return "ok" if resp.status_code == 200 else "down"
 
     async def models(self, backend: Backend) -> list[dict[str, Any]]:
         try:

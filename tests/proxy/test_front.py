@@ -10,7 +10,7 @@ import httpx
 import pytest
 from proxy_sse import stream
 
-from kvcompose.proxy.backends import BackendPool
+from kvcompose.proxy.backends import BackendPool, check_all
 from kvcompose.proxy.stops import StopStrings
 from kvcompose.testing.scripted_vllm import MODEL, Fault, detok, reference, tokenize
 
@@ -230,3 +230,27 @@ def test_pick_least_outstanding_prefers_backends_not_failed():
     assert pool.pick("prefill", {b.url}) is b  # the only healthy one
     pool.mark_failed(b, "y")
     assert pool.pick("prefill") is a  # none healthy: the one that failed longest ago
+
+
+def test_slow_health_checks_take_a_backend_out_only_in_a_row():
+    """A /health that times out (an engine busy on a loaded machine) is not a dead engine:
+    out after ``slow_checks_out`` in a row; a refused or failed check: out at once."""
+    pool = BackendPool.from_urls(["http://p1"], ["http://d1"])
+    pool.slow_checks_out = 3
+    p, d = pool.prefill[0], pool.decode[0]
+    answers = {p.url: "slow", d.url: "down"}
+
+    async def check(backend):
+        return answers[backend.url]
+
+    asyncio.run(check_all(pool, check))
+    assert p.healthy and not d.healthy
+    asyncio.run(check_all(pool, check))
+    assert p.healthy
+    answers.update({p.url: "ok", d.url: "ok"})
+    asyncio.run(check_all(pool, check))  # an answer in time resets the count
+    assert p.healthy and d.healthy and p.slow_checks == 0
+    answers[p.url] = "slow"
+    for _ in range(3):
+        asyncio.run(check_all(pool, check))
+    assert not p.healthy and "3 health checks timed out" in p.last_error
