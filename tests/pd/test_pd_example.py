@@ -1,15 +1,12 @@
-"""examples/pd: the two configs load and render for vLLM, and the router does the P/D hand-off
-(checked against stand-in HTTP servers; the example itself was run by hand, docs/pd.md)."""
+"""examples/pd: the two configs load and render for vLLM, and the proxy as the example
+configures it (proxy.yaml, what serve.sh starts) does the P/D hand-off, checked against
+scripted vLLM servers (kvcompose.testing.scripted_vllm); real engines behind the proxy are
+tests/proxy/test_proxy_pd.py."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -41,81 +38,50 @@ def test_example_configs(name: str, role: str, order: list[str]) -> None:
         KVTransferConfig(**data)
 
 
-def _router() -> Any:
-    spec = importlib.util.spec_from_file_location("pd_example_router", EXAMPLE / "router.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "httpx")),
+    reason="the proxy's web stack (kvcompose[proxy]) is not installed",
+)
+def test_the_example_proxy_hands_p_params_to_d_and_streams() -> None:
+    import httpx
 
+    from kvcompose.proxy import create_app, load_proxy_config
+    from kvcompose.testing.scripted_vllm import (
+        MODEL,
+        Fabric,
+        Fault,
+        ScriptedVLLM,
+        ServerThread,
+        detok,
+        reference,
+        tokenize,
+    )
 
-HANDOFF = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_block_ids": [[1, 2]],
-    "remote_engine_id": "p-engine",
-    "remote_request_id": "cmpl-1",
-    "remote_host": "localhost",
-    "remote_port": 5601,
-}
-
-
-@pytest.fixture
-def servers() -> Iterator[tuple[str, str, list[dict[str, Any]], list[dict[str, Any]]]]:
-    """Stand-ins for P (answers with kv_transfer_params) and D (streams three pieces)."""
-    seen_p: list[dict[str, Any]] = []
-    seen_d: list[dict[str, Any]] = []
-
-    def handler(seen: list[dict[str, Any]], stream: bool) -> type[BaseHTTPRequestHandler]:
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _send(self, body: bytes, ctype: str) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                self._send(json.dumps({"data": [{"id": "tiny"}]}).encode(), "application/json")
-
-            def do_POST(self) -> None:
-                seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                if not stream:
-                    self._send(
-                        json.dumps(
-                            {"choices": [{"text": " w1"}], "kv_transfer_params": HANDOFF}
-                        ).encode(),
-                        "application/json",
-                    )
-                    return
-                chunks = [{"choices": [{"text": t}]} for t in (" w1", " w2", " w3")]
-                body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks)
-                self._send((body + "data: [DONE]\n\n").encode(), "text/event-stream")
-
-        return Handler
-
-    p = ThreadingHTTPServer(("127.0.0.1", 0), handler(seen_p, stream=False))
-    d = ThreadingHTTPServer(("127.0.0.1", 0), handler(seen_d, stream=True))
-    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in (p, d)]
-    for t in threads:
-        t.start()
-    yield (f"http://127.0.0.1:{p.server_port}", f"http://127.0.0.1:{d.server_port}", seen_p, seen_d)
-    for s in (p, d):
-        s.shutdown()
-        s.server_close()
-
-
-def test_router_hands_p_params_to_d_and_streams(servers, capsys) -> None:
-    p_url, d_url, seen_p, seen_d = servers
-    text = _router().route("w5 w6 w7", prefill_url=p_url, decode_url=d_url, max_tokens=3)
-    assert text == " w1 w2 w3"
-    assert capsys.readouterr().out.startswith(" w1 w2 w3")
-    (p_req,) = seen_p
+    fabric = Fabric()
+    p, d = ScriptedVLLM("p", fabric), ScriptedVLLM("d", fabric)
+    backends = [ServerThread(s.app).start() for s in (p, d)]
+    # serve.sh: kvcompose proxy --config proxy.yaml --prefill P --decode D
+    config = load_proxy_config(
+        EXAMPLE / "proxy.yaml", prefill=[backends[0].url], decode=[backends[1].url]
+    )
+    proxy = ServerThread(create_app(config)).start()
+    try:
+        d.fail_next(Fault("drop", after=2))  # the example's single D drops a stream once
+        with httpx.Client(base_url=proxy.url, timeout=30) as c:
+            resp = c.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "w5 w6 w7", "max_tokens": 6, "temperature": 0},
+            )
+    finally:
+        for t in (proxy, *backends):
+            t.stop()
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == detok(reference(tokenize("w5 w6 w7"), 6))
+    p_req = p.requests[0]
     assert p_req["max_tokens"] == 1 and p_req["stream"] is False
     assert p_req["kv_transfer_params"] == {"do_remote_decode": True}
-    (d_req,) = seen_d
-    assert d_req["kv_transfer_params"] == HANDOFF and d_req["stream"] is True
-    assert d_req["prompt"] == p_req["prompt"] == "w5 w6 w7" and d_req["model"] == "tiny"
+    d_req = d.requests[0]
+    assert d_req["kv_transfer_params"]["remote_request_id"] == p_req["request_id"]
+    assert d_req["stream"] is True and d_req["prompt"] == p_req["prompt"] == tokenize("w5 w6 w7")
+    assert len([r for r in d.requests if not r.get("use_beam_search")]) == 2  # one retry
+    assert not fabric.held
