@@ -3,10 +3,19 @@ equals the scripted model's greedy output, with one id, true usage and no held h
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from proxy_sse import stream
 
-from kvcompose.testing.scripted_vllm import MODEL, Fault, detok, reference, tokenize
+from kvcompose.proxy import ProxyConfig, create_app
+from kvcompose.testing.scripted_vllm import (
+    MODEL,
+    Fault,
+    ServerThread,
+    detok,
+    reference,
+    tokenize,
+)
 
 PROMPT = " ".join(f"w{i}" for i in range(5, 45))
 IDS = tokenize(PROMPT)
@@ -175,3 +184,45 @@ def test_gives_up_with_a_clear_error(bed):
     assert out.status == 200 and out.done
     assert out.token_ids == reference(IDS, 2)
     assert "gave up after 4 attempts" in out.errors[0]["message"]
+
+
+def test_prefill_killed_before_the_decode_is_retried_on_the_other_prefill(bed):
+    """p1 answers the prefill and dies before D pulls: its blocks are gone (D's load fails,
+    as NIXL's read from a dead engine does) and p1 refuses what follows. The next attempt
+    prefills on p2 at once: a hand-off D failed before its first token counts against P."""
+    p1 = bed.prefill[0]
+
+    async def kill_p1(response: httpx.Response) -> None:
+        req = response.request
+        if p1.faults or req.method != "POST" or not str(req.url).startswith(bed.urls["p1"]):
+            return
+        await response.aread()
+        params = response.json().get("kv_transfer_params")
+        if params:
+            bed.fabric.pull(params["remote_request_id"])  # P's memory went with it
+            p1.healthy = False
+            p1.fail_next(*[Fault("status", code=503)] * 8)
+
+    client = httpx.AsyncClient(event_hooks={"response": [kill_p1]})
+    app = create_app(
+        ProxyConfig(
+            prefill=[bed.urls["p1"], bed.urls["p2"]],
+            decode=[bed.urls["d1"], bed.urls["d2"]],
+            backoff_s=0.01,
+            health_interval_s=60,  # no health check between the attempts
+        ),
+        http_client=client,
+    )
+    app.state.pool.prefill[1].served = 10  # p2 looks busier: only the rule sends attempt 2 there
+    bed.app = app
+    proxy = ServerThread(app).start()
+    bed.proxy_url = proxy.url
+    try:
+        out = _complete(bed, prompt=IDS)
+    finally:
+        proxy.stop()
+    _assert_exact(out)
+    assert bed.metric("kvcompose_proxy_retries_total", cause="decode_error") == 1
+    assert bed.metric("kvcompose_proxy_retries_total", cause="prefill_failed") == 0
+    assert [len(p.requests) for p in bed.prefill] == [1, 1]
+    assert not bed.fabric.held
