@@ -47,7 +47,8 @@ def rendered_config(yaml_path: str | Path) -> dict[str, Any]:
 class VLLMServer:
     def __init__(self, name: str, model: str | Path, kv_transfer_config: dict[str, Any] | None,
                  log_dir: Path, *, max_model_len: int = 1024, block_size: int = 32,
-                 extra_args: tuple[str, ...] = ()) -> None:  # fmt: skip
+                 extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.name = name
         self.port = free_port()
         self.nixl_port = free_port()
@@ -76,9 +77,14 @@ class VLLMServer:
         ]
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        env = {**os.environ, **SERVER_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port)}
+        full_env = {
+            **os.environ,
+            **SERVER_ENV,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
+            **(env or {}),
+        }
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(args, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
 
     def wait_ready(self, timeout: float = 400.0) -> None:
@@ -111,6 +117,36 @@ class VLLMServer:
                 out[sample.name] = out.get(sample.name, 0.0) + sample.value
         return out
 
+    def thread_ticks(self) -> dict[int, int]:
+        """CPU time (clock ticks) used so far by every thread of the server's processes."""
+        out: dict[int, int] = {}
+        for task in _session_tasks(self.proc.pid):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                out[int(task.name)] = int(fields[11]) + int(fields[12])  # utime + stime
+        return out
+
+    def calm_busy_threads(self, seconds: float = 2.0, share: float = 0.25) -> list[int]:
+        """Move the threads that keep a core busy while the server is idle to SCHED_IDLE.
+
+        NIXL's agent runs a UCX progress thread with no delay between polls (``nixl``'s
+        ``_api.py`` sets ``pthrDelay = 0``; vLLM's ``nixl/base_worker.py`` does not expose
+        it), which keeps ~70 % of a core busy per idle engine on this CPU-only machine
+        (measured: ``nixlUcxSharedThread::run`` -> ``ucp_worker_arm`` in a loop). Three
+        engines on two cores then starve the engines' own compute, the proxy and the
+        clients (health checks and reads time out). Under SCHED_IDLE the thread still
+        polls whenever a core has nothing else to run, so transfers keep working. Call
+        while the server is idle; returns the thread ids moved."""
+        before = self.thread_ticks()
+        time.sleep(seconds)
+        after = self.thread_ticks()
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = [t for t, n in after.items() if (n - before.get(t, n)) / hz > share * seconds]
+        for tid in busy:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return busy
+
     def kill(self) -> None:
         """SIGKILL the server and its engine core: what a crashed machine looks like."""
         with contextlib.suppress(ProcessLookupError):
@@ -126,3 +162,15 @@ class VLLMServer:
             except subprocess.TimeoutExpired:
                 self.kill()
         self._log.close()
+
+
+def _session_tasks(pid: int) -> list[Path]:
+    """/proc/<pid>/task/<tid> of every process in the session led by ``pid``."""
+    tasks: list[Path] = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            if os.getsid(int(proc.name)) == pid:
+                tasks.extend((proc / "task").iterdir())
+    return tasks
