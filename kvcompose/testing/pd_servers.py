@@ -142,6 +142,7 @@ class VLLMServer:
         after = self.thread_ticks()
         hz = os.sysconf("SC_CLK_TCK")
         busy = [t for t, n in after.items() if (n - before.get(t, n)) / hz > share * seconds]
+        busy = [t for t in busy if _policy(t) != os.SCHED_IDLE]  # not those moved already
         for tid in busy:
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
@@ -162,6 +163,13 @@ class VLLMServer:
             except subprocess.TimeoutExpired:
                 self.kill()
         self._log.close()
+
+
+def _policy(tid: int) -> int | None:
+    try:
+        return os.sched_getscheduler(tid)
+    except OSError:
+        return None
 
 
 def _session_tasks(pid: int) -> list[Path]:
