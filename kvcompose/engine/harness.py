@@ -145,12 +145,17 @@ class SchedulerHarness:
                 role=KVConnectorRole.WORKER,
                 kv_cache_config=worker_kv_cache_config,
             )
-            # As EngineCore at start-up: hand the worker's handshake metadata (if any) to
-            # the scheduler side, keyed by (pp_rank, tp_rank). No KV caches are registered
-            # (there is no model), so connectors that need them cannot run a worker here.
-            handshake = self.worker_connector.get_handshake_metadata()
-            if handshake is not None:
-                self.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+            # No KV caches are registered (there is no model), so connectors that need them
+            # cannot run a worker here.
+        if self.connector is not None:
+            # As EngineCore at start-up (``v1/engine/core.py``, after the output aggregator):
+            # the workers' handshake metadata, keyed by (pp_rank, tp_rank), goes to the
+            # scheduler side; with no metadata from any worker the call still comes, with {}.
+            worker = self.worker_connector
+            handshake = worker.get_handshake_metadata() if worker is not None else None
+            self.connector.set_xfer_handshake_metadata_pp_aware(
+                {} if handshake is None else {(0, 0): handshake}
+            )
 
         #: Every request added, by id (kept after it finishes, for inspection).
         self.requests: dict[str, Request] = {}
