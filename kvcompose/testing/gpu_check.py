@@ -372,7 +372,12 @@ def _tiny_model(python: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(parse_args(argv))
+    opts = parse_args(argv)
+    try:
+        return run(opts)
+    except (RuntimeError, OSError, KeyError, subprocess.CalledProcessError) as exc:
+        print(f"[gpu-check] FAIL: {type(exc).__name__}: {exc} (logs: {opts.logs})", flush=True)
+        return 1
 
 
 if __name__ == "__main__":
