@@ -147,12 +147,11 @@ class SchedulerHarness:
             )
             # No KV caches are registered (there is no model), so connectors that need them
             # cannot run a worker here.
-        if self.connector is not None:
             # As EngineCore at start-up (``v1/engine/core.py``, after the output aggregator):
             # the workers' handshake metadata, keyed by (pp_rank, tp_rank), goes to the
-            # scheduler side; with no metadata from any worker the call still comes, with {}.
-            worker = self.worker_connector
-            handshake = worker.get_handshake_metadata() if worker is not None else None
+            # scheduler side; when no worker has any the call still comes, with {}. (Without
+            # a worker there is nothing to report, and EngineCore makes no call.)
+            handshake = self.worker_connector.get_handshake_metadata()
             self.connector.set_xfer_handshake_metadata_pp_aware(
                 {} if handshake is None else {(0, 0): handshake}
             )

@@ -123,6 +123,7 @@ def test_compat_calls_children_like_multiconnector_on_the_scheduler(
             multiconnector(tmp, compat=compat),
             block_size=BLOCK_SCHEDULER,
             enable_prefix_caching=False,
+            with_worker=True,  # the worker half too, driven as the model runner drives it
         )
         prompt = h.make_prompt(40, seed=1)
         h.add_request(prompt)
