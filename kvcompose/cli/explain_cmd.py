@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.tree import Tree
 
 from kvcompose.cli.common import FILE_HELP, add_load_flags, console, load
-from kvcompose.config import Config, effective_saves
+from kvcompose.config import Config, effective_saves, known
 from kvcompose.config.compile import PARAMS_PRODUCERS
 from kvcompose.config.render import MODULE_PATH, composite_class
 from kvcompose.config.vllm_checks import NAME_CHECKED
@@ -175,6 +175,7 @@ def _leaf_details(config: Config, leaf: Leaf) -> list[str]:
         piece = "needs piecewise CUDA graphs" if facts.piecewise else ""
         cls = f"class {facts.class_name}"
         lines.append(", ".join(x for x in (cls, hma, layout, piece) if x))
+    lines.extend(known.describe(leaf, class_facts=facts is None))
     return lines
 
 
@@ -203,6 +204,9 @@ def vllm_view(config: Config) -> list[str]:
     missing = (
         [f.name for f in facts.leaves.values() if not f.supports_hma] if facts is not None else None
     )
+    if missing is None:  # offline: what kvcompose knows by name
+        offline = [leaf.name for leaf in leaves if (k := known.known(leaf)) and not k.supports_hma]
+        missing = offline or None
     off = "vLLM turns the hybrid KV cache manager off"
     if dropin:
         if missing is None:

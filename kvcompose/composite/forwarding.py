@@ -47,6 +47,8 @@ class SchedulerForwarding:
         self.children.all("bind_gpu_block_pool", gpu_block_pool)
 
     def get_finished_count(self) -> int | None:
+        """vLLM asks once at engine start (``EngineCore`` → ``KVOutputAggregator.from_connector``),
+        so a conflict refuses to start there."""
         world_size = self._world_size
         counts = {child.name: child.connector.get_finished_count() for child in self.children}
         resolved = {name: world_size if c is None else c for name, c in counts.items()}
@@ -72,15 +74,14 @@ class SchedulerForwarding:
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         for i, child in enumerate(self.children.connectors):
-            part = _handshake_part(metadata, i)
-            if part:
-                child.set_xfer_handshake_metadata(part)
+            child.set_xfer_handshake_metadata(_handshake_part(metadata, i))
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        # Every child hears the call, with its own part or ``{}``: vLLM's EngineCore makes
+        # it with ``{}`` when no worker has handshake metadata, and MultiConnector forwards
+        # that to every child; NIXL starts its listener only when its part is non-empty.
         for i, child in enumerate(self.children.connectors):
-            part = _handshake_part(metadata, i)
-            if part:
-                child.set_xfer_handshake_metadata_pp_aware(part)
+            child.set_xfer_handshake_metadata_pp_aware(_handshake_part(metadata, i))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -117,7 +117,11 @@ class _OtherRole:
 
 class CompositeConnector(KVConnectorBase_V1):
     """A chain, fan-out or route node. Subclasses only choose how the tree is read
-    (``tree_from_config``) and whether the class supports HMA."""
+    (``tree_from_config``), whether the class supports HMA, and ``ask_every_child``."""
+
+    #: ``True``: a ``first`` lookup asks the children after the first hit too (the first
+    #: hit still owns), as vLLM's MultiConnector does; ``kvcompose.compat`` sets it.
+    ask_every_child: bool = False
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -174,9 +178,9 @@ class CompositeConnector(KVConnectorBase_V1):
                 vllm_config,
                 base_hit_sources=super().get_external_cache_hit_sources,
                 base_group_ids=super().get_loaded_kv_cache_group_ids,
+                ask_every_child=self.ask_every_child,
             )
             self._bind_members("scheduler_side")
-            self.get_finished_count()  # refuse to start on a conflict
         else:
             self.worker_side = CompositeWorker(self.name, self.children)
             self._bind_members("worker_side")

@@ -93,16 +93,16 @@ RULES: dict[str, tuple[Aggregation, str]] = {
     "bind_gpu_block_pool": (Aggregation.ALL, "every child"),
     "get_finished_count": (
         Aggregation.MUST_AGREE,
-        "None means world size; different counts refuse to start",
+        "None means world size; different counts refuse to start (vLLM asks at engine start)",
     ),
     "reset_cache": (Aggregation.TRISTATE, "False if any child False; True if all True; else None"),
     "set_xfer_handshake_metadata": (
         Aggregation.PER_CHILD_SLICE,
-        "each child its own handshake part",
+        "every child its own handshake part ({} when it has none)",
     ),
     "set_xfer_handshake_metadata_pp_aware": (
         Aggregation.PER_CHILD_SLICE,
-        "each child its own handshake part",
+        "every child its own handshake part ({} when it has none)",
     ),
     "supports_divergent_local_hybrid_hits": (Aggregation.EVERY, "every child"),
     "requires_kv_delivery": (Aggregation.ANY, "any child"),

@@ -57,11 +57,16 @@ class CompositeScheduler(SchedulerForwarding):
         *,
         base_hit_sources: Callable[[Request, int], dict[Any, int]],
         base_group_ids: Callable[[Request], tuple[int, ...]],
+        ask_every_child: bool = False,
     ) -> None:
         super().__init__(name, children, vllm_config.parallel_config.world_size)
         self.counters = counters
         self.policy = policy_for(tree)
         self._longest = self.policy.mode == "longest"
+        # ``first`` stops at the first hit unless every child must be asked (vLLM's
+        # MultiConnector does: a child that pins or prefetches on lookup relies on it);
+        # the first hit still owns either way.
+        self._stop_at_hit = not (self._longest or ask_every_child)
         # chain and fan-out ask the same children for every request
         fixed = not isinstance(self.policy, RouteLookup)
         self._fixed_candidates = self.policy.candidates(None) if fixed else None  # type: ignore[arg-type]
@@ -181,9 +186,9 @@ class CompositeScheduler(SchedulerForwarding):
                 if longest:
                     continue
                 break
-            if tokens > 0 and (best is None or tokens > best[1]):
+            if tokens > 0 and (best is None or (longest and tokens > best[1])):
                 best = (child, tokens, is_async)
-                if not longest:
+                if self._stop_at_hit:
                     break
         if pending:
             self.ledger.mark_pending(req_id, time.monotonic())

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvcompose.config import known
 from kvcompose.config.document import document_dict
 from kvcompose.config.errors import (
     ConfigError,
@@ -119,6 +120,7 @@ def compile_document(
     problems = _assign_names(placed)
     problems += _check_references(placed)
     problems += _check_params(placed)
+    problems += _check_known_hma(placed, doc.hma)
     if problems:
         raise fail(problems)
 
@@ -284,8 +286,26 @@ def _check_params(placed: list[_Placed]) -> list[ErrorItem]:
     return []
 
 
+def _check_known_hma(placed: list[_Placed], hma: Any) -> list[ErrorItem]:
+    """``hma: true`` with a leaf known not to support HMA fails here, without vLLM."""
+    if hma is not True:
+        return []
+    return [
+        ErrorItem(
+            (*p.path, "connector"),
+            f"{shown(p.node.connector)} does not support HMA (the hybrid KV cache "
+            "manager), which this config requires (hma: true)",
+        )
+        for p in placed
+        if isinstance(p.node, Leaf)
+        and (facts := known.known(p.node)) is not None
+        and not facts.supports_hma
+    ]
+
+
 def _warnings(tree: Node, placed: list[_Placed]) -> list[str]:
     out: list[str] = []
+    out.extend(known.tree_warnings(tree))
     if not any(saves for _, saves in effective_saves(tree)):
         out.append("no leaf saves: this tree never stores KV caches")
     for p in placed:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import logging
 import sys
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 from kvcompose.config.errors import did_you_mean, shown
+from kvcompose.config.known import needs_package
 from kvcompose.tree import Leaf, Route, child_transfer_config, walk
 
 #: Connectors vLLM special-cases by name (``KVTransferConfig.has_connector``, HiSparse,
@@ -55,6 +57,7 @@ class VllmFacts:
 
     leaves: dict[str, LeafFacts] = field(default_factory=dict)
     registry: tuple[str, ...] = ()
+    missing_packages: dict[str, str] = field(default_factory=dict)  # leaf -> package
     vllm_version: str = "?"
 
     @property
@@ -74,13 +77,19 @@ class VllmFacts:
         return out
 
     def warnings(self) -> list[str]:
+        out = [
+            f"leaf {leaf!r} needs the {package!r} package, which this Python cannot import; "
+            "vLLM will fail to start it here"
+            for leaf, package in self.missing_packages.items()
+        ]
         layouts = self.layouts
         if len(layouts) <= 1:
-            return []
+            return out
         listed = "; ".join(f"{layout} ({', '.join(names)})" for layout, names in layouts.items())
         return [
+            *out,
             f"leaves require different KV cache layouts: {listed}; the composite refuses "
-            "to start where these apply"
+            "to start where these apply",
         ]
 
 
@@ -163,6 +172,9 @@ def _check_leaf(
             "cache manager), which this config requires (hma: true)",
         )
     facts.leaves[node.name] = info
+    package = needs_package(node)
+    if package is not None and importlib.util.find_spec(package) is None:
+        facts.missing_packages[node.name] = package
 
 
 @contextlib.contextmanager

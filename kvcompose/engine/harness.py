@@ -145,12 +145,16 @@ class SchedulerHarness:
                 role=KVConnectorRole.WORKER,
                 kv_cache_config=worker_kv_cache_config,
             )
-            # As EngineCore at start-up: hand the worker's handshake metadata (if any) to
-            # the scheduler side, keyed by (pp_rank, tp_rank). No KV caches are registered
-            # (there is no model), so connectors that need them cannot run a worker here.
+            # No KV caches are registered (there is no model), so connectors that need them
+            # cannot run a worker here.
+            # As EngineCore at start-up (``v1/engine/core.py``, after the output aggregator):
+            # the workers' handshake metadata, keyed by (pp_rank, tp_rank), goes to the
+            # scheduler side; when no worker has any the call still comes, with {}. (Without
+            # a worker there is nothing to report, and EngineCore makes no call.)
             handshake = self.worker_connector.get_handshake_metadata()
-            if handshake is not None:
-                self.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+            self.connector.set_xfer_handshake_metadata_pp_aware(
+                {} if handshake is None else {(0, 0): handshake}
+            )
 
         #: Every request added, by id (kept after it finishes, for inspection).
         self.requests: dict[str, Request] = {}
