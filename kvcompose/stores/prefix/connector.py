@@ -163,7 +163,10 @@ class PrefixStoreConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.connector_worker is not None:
-            self.connector_worker.begin_step()
+            meta = connector_metadata
+            self.connector_worker.begin_step(
+                meta if isinstance(meta, PrefixStoreMetadata) else None
+            )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if (meta := self._step_metadata()) is not None:
@@ -188,10 +191,15 @@ class PrefixStoreConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self.get_transfer_results(finished_req_ids)
-        return None, res.finished_recving or None
+        return res.finished_sending or None, res.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self.worker.transfer_results()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        """Let the background writer finish what it queued."""
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()

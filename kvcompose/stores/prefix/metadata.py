@@ -54,7 +54,11 @@ class SaveSpec:
 
 @dataclass
 class PrefixStoreMetadata(KVConnectorMetadata):
-    """One step's loads and saves (saves in prefix order)."""
+    """One step's loads and saves (saves in prefix order), and, for the background writer,
+    the requests whose blocks are held until their saves are written (``finished_saves``)
+    and the requests whose blocks were freed by a preemption (``preempted``)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    finished_saves: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)

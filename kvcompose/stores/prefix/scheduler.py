@@ -77,6 +77,11 @@ class PrefixStoreScheduler:
         self._inflight_saves: dict[str, int] = {}
         self._step = 0
         self._warned_untracked = False
+        #: Background saves: requests with saves planned (their blocks are held when they
+        #: finish), and the finished ones the next step's metadata tells the worker about.
+        self.background = config.save_mode == "background"
+        self._saving_reqs: set[str] = set()
+        self._finished_saves: list[str] = []
 
     # ----------------------------------------------------------------------- lookup
 
@@ -174,6 +179,9 @@ class PrefixStoreScheduler:
         self._pending_loads.clear()
         if self.saves_enabled:
             self._plan_saves(scheduler_output, meta)
+        if self.background:
+            meta.finished_saves, self._finished_saves = self._finished_saves, []
+            meta.preempted = list(getattr(scheduler_output, "preempted_req_ids", None) or ())
         # Forget planned saves old enough to have been written (or lost).
         for key in [
             k for k, s in self._inflight_saves.items() if self._step - s > INFLIGHT_SAVE_STEPS
@@ -238,6 +246,8 @@ class PrefixStoreScheduler:
                 break
             planned.add(key)
             self._inflight_saves[key] = self._step
+            if self.background:
+                self._saving_reqs.add(req_id)
             meta.saves.append(
                 SaveSpec(key=key, block_ids=list(blocks), num_tokens=self.chunk_tokens,
                          req_id=req_id)
@@ -253,12 +263,18 @@ class PrefixStoreScheduler:
         self._no_store_reqs.update(failed)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; saves are synchronous, so its blocks are never held."""
+        """Forget the request. Synchronous saves never hold its blocks; with background
+        saves, a request that had saves planned keeps its blocks (``True``) until the
+        worker reports it in ``finished_sending``, once its chunks are written."""
         req_id = request.request_id
         self._reqs.pop(req_id, None)
         self._lookup_local.pop(req_id, None)
         self._no_store_reqs.discard(req_id)
         self._pending_loads.pop(req_id, None)
+        if req_id in self._saving_reqs:
+            self._saving_reqs.discard(req_id)
+            self._finished_saves.append(req_id)
+            return True, None
         return False, None
 
     def reset_cache(self) -> bool:

@@ -3,14 +3,18 @@
 Each layer's cache is viewed with vLLM's (manager) blocks at dim 0 and blocks are copied as
 opaque tiles, so a round trip is exact whatever an attention backend packs inside a block
 (the CPU backend stores K transposed; :mod:`kvcompose.testing.cpu_tiles` decodes that
-layout for a test). Loads run in ``start_load_kv`` before the step's forward; saves are
-collected per layer in ``save_kv_layer`` and written in ``wait_for_save``, so a request's
-blocks are never held after it finishes.
+layout for a test). Loads run in ``start_load_kv`` before the step's forward. Saves, with
+``save_mode: sync``, are collected per layer in ``save_kv_layer`` and written in
+``wait_for_save``, so a request's blocks are never held after it finishes; with
+``save_mode: background`` ``wait_for_save`` only queues them for the
+:class:`~kvcompose.stores.prefix.writer.ChunkWriter`, which copies the (held) blocks and
+writes the files off the step.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,6 +23,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvcompose.stores.prefix.stats import PrefixStoreStats
+from kvcompose.stores.prefix.writer import ChunkWriter, WriteJob
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -66,6 +71,13 @@ class PrefixStoreWorker:
         self._interval_stats = PrefixStoreStats()
         #: Cumulative counters since start (tests, benchmark); never reset.
         self.total_stats = PrefixStoreStats()
+        #: The writer thread records its counters too.
+        self._stats_lock = threading.Lock()
+        #: The layer caches of the latest step (the writer copies blocks from them).
+        self._step_caches: dict[str, torch.Tensor] = {}
+        self.writer: ChunkWriter | None = None
+        if config.save_mode == "background" and not config.read_only:
+            self.writer = ChunkWriter(self._write_job, config.max_pending_saves)
 
     # ------------------------------------------------------------------- caches
 
@@ -103,9 +115,10 @@ class PrefixStoreWorker:
     # -------------------------------------------------------------------- loads
 
     def start_load(self, meta: PrefixStoreMetadata, forward_context: ForwardContext) -> None:
+        caches = self._layer_caches(forward_context)
+        self._step_caches = caches
         if not meta.loads:
             return
-        caches = self._layer_caches(forward_context)
         for spec in meta.loads:
             ok = self.load(spec, caches)
             if spec.is_async:
@@ -188,12 +201,22 @@ class PrefixStoreWorker:
 
     # -------------------------------------------------------------------- saves
 
-    def begin_step(self) -> None:
-        """A new step's metadata is bound: tiles of an earlier step are stale."""
+    def begin_step(self, meta: PrefixStoreMetadata | None = None) -> None:
+        """A new step's metadata is bound: tiles of an earlier step are stale; the
+        background writer learns which held requests finished and which were preempted
+        (their blocks are free again: nothing of them may be copied from now on)."""
         self._save_buf = {}
+        if self.writer is None or meta is None:
+            return
+        if meta.preempted:
+            dropped = self.writer.cancel(meta.preempted)
+            if dropped:
+                self._record(saves_dropped=dropped)
+        for req_id in meta.finished_saves:
+            self.writer.request_finished(req_id)
 
     def save_layer(self, meta: PrefixStoreMetadata, layer_name: str, kv_layer: Any) -> None:
-        if not meta.saves or not isinstance(kv_layer, torch.Tensor):
+        if not meta.saves or not isinstance(kv_layer, torch.Tensor) or self.writer is not None:
             return
         grouped = self._by_block(kv_layer)
         for spec in meta.saves:
@@ -202,8 +225,12 @@ class PrefixStoreWorker:
             self._save_buf.setdefault(spec.key, {})[layer_name] = tiles
 
     def wait_for_save(self, meta: PrefixStoreMetadata) -> None:
-        """Write the step's complete chunks, then evict down to ``max_chunks``."""
+        """Write the step's complete chunks, then evict down to the capacity (sync), or
+        queue them for the writer thread (background)."""
         if not meta.saves:
+            return
+        if self.writer is not None:
+            self._queue_saves(meta)
             return
         t0 = time.perf_counter()
         expected = set(self._kv_caches)
@@ -213,26 +240,15 @@ class PrefixStoreWorker:
             layers = self._save_buf.get(spec.key)
             if not layers or (expected and not expected.issubset(layers)):
                 continue
-            if self.files.stored_here(spec.key):
-                continue
-            metadata = {
-                "key": spec.key,
-                "num_tokens": str(spec.num_tokens),
-                "block_size": str(self.block_size),
-                "chunk_blocks": str(self.config.chunk_blocks),
-            }
-            try:
-                nbytes += self.files.write(spec.key, layers, metadata)
-            except OSError as e:
-                logger.warning(
-                    "PrefixStoreConnector: could not write %s: %s", self.files.file(spec.key), e
-                )
+            written = self._write_chunk(spec.key, spec.num_tokens, layers)
+            if written is None:
                 continue
             chunks += 1
             tokens += spec.num_tokens
+            nbytes += written
         self._save_buf = {}
-        if chunks and self.config.max_chunks is not None:
-            self.files.evict(self.config.max_chunks)
+        if chunks:
+            self._evict()
         self._record(
             chunks_saved=chunks,
             tokens_saved=tokens,
@@ -240,15 +256,88 @@ class PrefixStoreWorker:
             save_time_s=time.perf_counter() - t0 if chunks else 0.0,
         )
 
+    def _queue_saves(self, meta: PrefixStoreMetadata) -> None:
+        assert self.writer is not None
+        caches = self._step_caches or self._kv_caches
+        if not caches:
+            logger.error("PrefixStoreConnector: no KV cache layers registered; cannot save")
+            self._record(saves_dropped=len(meta.saves))
+            return
+        dropped = 0
+        for spec in reversed(meta.saves):
+            job = WriteJob(spec.key, spec.req_id, list(spec.block_ids), spec.num_tokens, caches)
+            if self.writer.submit(job) is False:
+                dropped += 1
+        if dropped:
+            self._record(saves_dropped=dropped)
+
+    def _write_job(self, job: WriteJob) -> None:
+        """On the writer thread: copy the held blocks of every layer, write, evict."""
+        if self.files.stored_here(job.key):
+            return
+        t0 = time.perf_counter()
+        layers = {}
+        for name, kv in job.caches.items():
+            grouped = self._by_block(kv)
+            idx = torch.tensor(job.block_ids, dtype=torch.long, device=grouped.device)
+            layers[name] = grouped.index_select(0, idx).to("cpu").contiguous()
+        written = self._write_chunk(job.key, job.num_tokens, layers)
+        if written is None:
+            return
+        self._evict()
+        self._record(
+            chunks_saved=1,
+            tokens_saved=job.num_tokens,
+            bytes_saved=written,
+            save_time_s=time.perf_counter() - t0,
+        )
+
+    def _write_chunk(
+        self, key: str, num_tokens: int, layers: dict[str, torch.Tensor]
+    ) -> int | None:
+        """Write one chunk's file unless it exists; its size, or None when not written."""
+        if self.files.stored_here(key):
+            return None
+        metadata = {
+            "key": key,
+            "num_tokens": str(num_tokens),
+            "block_size": str(self.block_size),
+            "chunk_blocks": str(self.config.chunk_blocks),
+        }
+        try:
+            return self.files.write(key, layers, metadata)
+        except OSError as e:
+            logger.warning("PrefixStoreConnector: could not write %s: %s", self.files.file(key), e)
+            return None
+
+    def _evict(self) -> None:
+        """Evict down to the configured capacity and record the occupancy left."""
+        cfg = self.config
+        if cfg.max_chunks is None and cfg.max_bytes is None:
+            return
+        occupancy = self.files.evict(cfg.max_chunks, cfg.max_bytes)
+        if occupancy.evicted:
+            self._record(evictions=occupancy.evicted)
+        with self._stats_lock:
+            levels = {"occupancy_chunks": occupancy.chunks, "occupancy_bytes": occupancy.bytes}
+            self._interval_stats.set_level(**levels)
+            self.total_stats.set_level(**levels)
+
+    def shutdown(self) -> None:
+        """Write what the background writer still holds, then stop it."""
+        if self.writer is not None:
+            self.writer.close()
+
     # ------------------------------------------------------------------ results
 
     def _record(self, **counts: int | float) -> None:
-        self._interval_stats.add(**counts)
-        self.total_stats.add(**counts)
+        with self._stats_lock:
+            self._interval_stats.add(**counts)
+            self.total_stats.add(**counts)
 
     def transfer_results(self) -> KVConnectorTransferResults:
         res = KVConnectorTransferResults(
-            finished_sending=set(),
+            finished_sending=self.writer.take_finished() if self.writer is not None else set(),
             finished_recving=self._finished_recving,
             failed_recving=self._failed_recving,
         )
@@ -263,8 +352,9 @@ class PrefixStoreWorker:
 
     def interval_stats(self) -> PrefixStoreStats | None:
         """This interval's counters (then reset), or None when nothing happened."""
-        if self._interval_stats.is_empty():
-            return None
-        out = PrefixStoreStats(data=self._interval_stats.snapshot())
-        self._interval_stats.reset()
-        return out
+        with self._stats_lock:
+            if self._interval_stats.is_empty():
+                return None
+            out = PrefixStoreStats(data=self._interval_stats.snapshot())
+            self._interval_stats.reset()
+            return out
