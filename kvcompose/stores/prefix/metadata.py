@@ -8,6 +8,7 @@ two halves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -50,6 +51,8 @@ class SaveSpec:
     block_ids: list[int]
     num_tokens: int
     req_id: str
+    #: The ``BlockStored`` KV cache event to publish once written (None: events off).
+    event: Any = None
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvcompose.stores.prefix.stats import PrefixStoreStats
+from kvcompose.stores.prefix.tier import StoreKVEvents
 from kvcompose.stores.prefix.writer import ChunkWriter, WriteJob
 
 if TYPE_CHECKING:
@@ -75,6 +76,8 @@ class PrefixStoreWorker:
         self._stats_lock = threading.Lock()
         #: The layer caches of the latest step (the writer copies blocks from them).
         self._step_caches: dict[str, torch.Tensor] = {}
+        #: BlockStored events of chunks written since the last step's collection.
+        self._events: list[Any] = []
         self.writer: ChunkWriter | None = None
         if config.save_mode == "background" and not config.read_only:
             self.writer = ChunkWriter(self._write_job, config.max_pending_saves)
@@ -240,7 +243,7 @@ class PrefixStoreWorker:
             layers = self._save_buf.get(spec.key)
             if not layers or (expected and not expected.issubset(layers)):
                 continue
-            written = self._write_chunk(spec.key, spec.num_tokens, layers)
+            written = self._write_chunk(spec.key, spec.num_tokens, layers, spec.event)
             if written is None:
                 continue
             chunks += 1
@@ -265,7 +268,9 @@ class PrefixStoreWorker:
             return
         dropped = 0
         for spec in reversed(meta.saves):
-            job = WriteJob(spec.key, spec.req_id, list(spec.block_ids), spec.num_tokens, caches)
+            job = WriteJob(
+                spec.key, spec.req_id, list(spec.block_ids), spec.num_tokens, caches, spec.event
+            )
             if self.writer.submit(job) is False:
                 dropped += 1
         if dropped:
@@ -281,7 +286,7 @@ class PrefixStoreWorker:
             grouped = self._by_block(kv)
             idx = torch.tensor(job.block_ids, dtype=torch.long, device=grouped.device)
             layers[name] = grouped.index_select(0, idx).to("cpu").contiguous()
-        written = self._write_chunk(job.key, job.num_tokens, layers)
+        written = self._write_chunk(job.key, job.num_tokens, layers, job.event)
         if written is None:
             return
         self._evict()
@@ -293,9 +298,10 @@ class PrefixStoreWorker:
         )
 
     def _write_chunk(
-        self, key: str, num_tokens: int, layers: dict[str, torch.Tensor]
+        self, key: str, num_tokens: int, layers: dict[str, torch.Tensor], event: Any = None
     ) -> int | None:
-        """Write one chunk's file unless it exists; its size, or None when not written."""
+        """Write one chunk's file unless it exists; its size, or None when not written.
+        A written chunk's ``BlockStored`` event (when events are on) is published."""
         if self.files.stored_here(key):
             return None
         metadata = {
@@ -305,10 +311,14 @@ class PrefixStoreWorker:
             "chunk_blocks": str(self.config.chunk_blocks),
         }
         try:
-            return self.files.write(key, layers, metadata)
+            size = self.files.write(key, layers, metadata)
         except OSError as e:
             logger.warning("PrefixStoreConnector: could not write %s: %s", self.files.file(key), e)
             return None
+        if event is not None:
+            with self._stats_lock:
+                self._events.append(event)
+        return size
 
     def _evict(self) -> None:
         """Evict down to the configured capacity and record the occupancy left."""
@@ -344,6 +354,16 @@ class PrefixStoreWorker:
         self._finished_recving = set()
         self._failed_recving = set()
         return res
+
+    def kv_cache_events(self) -> StoreKVEvents | None:
+        """The events of chunks written since the last call (vLLM collects them each step)."""
+        with self._stats_lock:
+            if not self._events:
+                return None
+            events, self._events = self._events, []
+        out = StoreKVEvents(num_workers=1)
+        out.add_events(events)
+        return out
 
     def block_ids_with_load_errors(self) -> set[int]:
         out = self._invalid_block_ids

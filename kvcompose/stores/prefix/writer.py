@@ -26,7 +26,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +43,8 @@ class WriteJob:
     block_ids: list[int]
     num_tokens: int
     caches: dict[str, torch.Tensor]
+    #: The KV cache event to publish once written (None: events off).
+    event: Any = None
 
 
 class ChunkWriter:
