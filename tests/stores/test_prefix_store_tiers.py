@@ -143,12 +143,14 @@ def test_admission_counters_reach_vllm_stats(tiny_model_dir: Path, tmp_path: Pat
     h.close()
 
 
-def two_tiers(tmp_path: Path, *, promote: bool, policy: str = "longest") -> dict[str, Any]:
+def two_tiers(
+    tmp_path: Path, *, promote: bool, min_seen: int = 100, policy: str = "longest"
+) -> dict[str, Any]:
     fast = prefix_store_leaf(
         "fast",
         tmp_path / "fast",
         medium="tmpfs",
-        admit_min_seen=100,
+        admit_min_seen=min_seen,
         promote=promote,
         save_mode="background",
     )
@@ -182,6 +184,26 @@ def test_promotion_of_chunks_the_slow_tier_loaded(
     else:
         assert store_usage(tmp_path / "fast")["files"] == 0
         assert fast.total_stats.data["rejects"] == 5
+    h.assert_clean()  # the chain released every block its stores held for their writes
+    h.close()
+
+
+def test_without_a_rule_a_non_owning_store_saves_what_another_loaded(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    """What a chain does without admission or promotion: every store plans saves for every
+    full prompt chunk it lacks, loaded by another child or computed (write-through), so a
+    slow tier's hit is copied into the fast tier whatever the policy."""
+    prompt = [4 + (i * 41) % 900 for i in range(4 * BLOCK + 3)]
+    h = harness(tiny_model_dir, store_cfg(tmp_path / "slow", medium="disk"))
+    run(h, prompt, "fill")
+    h.close()
+    h = harness(tiny_model_dir, two_tiers(tmp_path, promote=False, min_seen=1, policy="first"))
+    run(h, prompt, "a")
+    assert h.connector.counters.totals.get("hits.slow") == 1
+    assert store_usage(tmp_path / "fast")["files"] == 4
+    assert not h.connector.children.connectors[0].connector_scheduler.total_stats.data["promotions"]
+    h.assert_clean()
     h.close()
 
 
