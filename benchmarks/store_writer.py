@@ -94,6 +94,7 @@ def one_run(mode: str, *, prompts: int, prompt_len: int, max_tokens: int) -> dic
             while sched is not None and sched.has_requests():
                 inner.step_fn()
             drain_s = time.perf_counter() - t1
+            worker = llm.collective_rpc(_worker_stats)[0]
         usage = store_usage(path)
     return {
         "mode": mode,
@@ -106,7 +107,16 @@ def one_run(mode: str, *, prompts: int, prompt_len: int, max_tokens: int) -> dic
         "drain_s": drain_s,
         "files": usage["files"],
         "bytes_written": usage["bytes"],
+        # sync: seconds inside the engine step; background: seconds on the writer thread
+        "save_time_s": worker.get("save_time_s", 0.0),
+        "saves_dropped": worker.get("saves_dropped", 0),
     }
+
+
+def _worker_stats(worker: Any) -> dict[str, Any]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return dict(get_kv_transfer_group().total_stats.data)
 
 
 def main() -> None:
@@ -170,9 +180,14 @@ def report(rounds: list[dict[str, dict[str, Any]]]) -> str:
             for r, x in zip(rounds, ratios, strict=True)
         ]
         lines.append(f"| {mode} | " + " | ".join(cells) + f" | {statistics.median(ratios):.2f}x |")
-    lines += ["", "p90 step time, replay and drain (seconds), MiB written, per round:", ""]
-    lines.append("| mode | p90 step ms | replay s | drain s | MiB written |")
-    lines.append("|---|---|---|---|---|")
+    lines += [
+        "",
+        "Per round: p90 step time, replay and drain (s), MiB written, seconds spent writing "
+        "(sync: inside the step; background: on the writer thread), saves dropped:",
+        "",
+    ]
+    lines.append("| mode | p90 step ms | replay s | drain s | MiB written | write s | dropped |")
+    lines.append("|---|---|---|---|---|---|---|")
     for mode in MODES:
         vals = [r[mode] for r in rounds]
         lines.append(
@@ -184,6 +199,10 @@ def report(rounds: list[dict[str, dict[str, Any]]]) -> str:
             + " / ".join(f"{v['drain_s']:.1f}" for v in vals)
             + " | "
             + " / ".join(f"{v['bytes_written'] / 2**20:.0f}" for v in vals)
+            + " | "
+            + " / ".join(f"{v.get('save_time_s', 0.0):.2f}" for v in vals)
+            + " | "
+            + " / ".join(str(v.get("saves_dropped", 0)) for v in vals)
             + " |"
         )
     return "\n".join(lines)
