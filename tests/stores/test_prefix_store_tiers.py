@@ -252,3 +252,34 @@ def test_frequency_sketch_counts_and_fades():
     for i in range(4):  # the tenth addition halves every counter
         sketch.add(f"k{i}")
     assert sketch.count("a") == 2 and sketch.count("b") == 0
+
+
+def test_evictions_are_published_as_block_removed(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(store_connector, "_kv_events_on", lambda _cfg: True)
+    h = harness(tiny_model_dir, store_cfg(tmp_path / "kv", medium="disk", max_chunks=2))
+    published: list[Any] = []
+
+    class Recorder:
+        def publish(self, batch: Any) -> None:
+            published.extend(batch.events)
+
+        def shutdown(self) -> None:
+            pass
+
+    h.scheduler.kv_event_publisher = Recorder()
+    run(h, h.make_prompt(3 * BLOCK + 5, seed="r"), "a")
+    stored = [e for e in published if type(e).__name__ == "BlockStored"]
+    removed = [e for e in published if type(e).__name__ == "BlockRemoved"]
+    assert len(stored) == 3 and len(removed) == 1
+    assert {e.medium for e in published} == {"STORAGE"}
+    # The chunk evicted is the chain's last one (the first ones are kept longest).
+    last = next(
+        e
+        for e in stored
+        if e.parent_block_hash not in (None,)
+        and all(e.block_hashes[-1] != o.parent_block_hash for o in stored)
+    )
+    assert removed[0].block_hashes == last.block_hashes
+    h.close()

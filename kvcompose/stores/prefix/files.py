@@ -28,6 +28,8 @@ class Occupancy(NamedTuple):
     chunks: int
     bytes: int
     evicted: int
+    #: Keys of the chunks deleted (this worker's files).
+    evicted_keys: tuple[str, ...] = ()
 
 
 def chunk_file_name(key: str, tag: str = "") -> str:
@@ -157,6 +159,7 @@ class ChunkFiles:
         files = len(entries)
         nbytes = sum(e[1] for e in entries)
         evicted = 0
+        keys: list[str] = []
         for _, size, path in entries:
             over_chunks = max_chunks is not None and files > max_chunks
             over_bytes = max_bytes is not None and nbytes > max_bytes
@@ -167,7 +170,9 @@ class ChunkFiles:
             files -= 1
             nbytes -= size
             evicted += 1
-        return Occupancy(files, nbytes, evicted)
+            name = os.path.basename(path)[: -len(FILE_SUFFIX)]
+            keys.append(name[: -len(self.tag)] if self.tag and name.endswith(self.tag) else name)
+        return Occupancy(files, nbytes, evicted, tuple(keys))
 
     def clear(self) -> None:
         """Delete every chunk file (temporary files of writes in progress stay)."""

@@ -76,8 +76,10 @@ class PrefixStoreWorker:
         self._stats_lock = threading.Lock()
         #: The layer caches of the latest step (the writer copies blocks from them).
         self._step_caches: dict[str, torch.Tensor] = {}
-        #: BlockStored events of chunks written since the last step's collection.
+        #: KV cache events since the last step's collection, and the BlockStored event of
+        #: every chunk this worker wrote and has not evicted (for its BlockRemoved).
         self._events: list[Any] = []
+        self._published: dict[str, Any] = {}
         self.writer: ChunkWriter | None = None
         if config.save_mode == "background" and not config.read_only:
             self.writer = ChunkWriter(self._write_job, config.max_pending_saves)
@@ -318,6 +320,7 @@ class PrefixStoreWorker:
         if event is not None:
             with self._stats_lock:
                 self._events.append(event)
+                self._published[key] = event
         return size
 
     def _evict(self) -> None:
@@ -328,10 +331,23 @@ class PrefixStoreWorker:
         occupancy = self.files.evict(cfg.max_chunks, cfg.max_bytes)
         if occupancy.evicted:
             self._record(evictions=occupancy.evicted)
+            self._publish_removed(occupancy.evicted_keys)
         with self._stats_lock:
             levels = {"occupancy_chunks": occupancy.chunks, "occupancy_bytes": occupancy.bytes}
             self._interval_stats.set_level(**levels)
             self.total_stats.set_level(**levels)
+
+    def _publish_removed(self, keys: tuple[str, ...]) -> None:
+        """A ``BlockRemoved`` event for each evicted chunk whose ``BlockStored`` went out."""
+        with self._stats_lock:
+            stored = [e for k in keys if (e := self._published.pop(k, None)) is not None]
+            if not stored:
+                return
+            from vllm.distributed.kv_events import BlockRemoved
+
+            self._events.extend(
+                BlockRemoved(block_hashes=list(e.block_hashes), medium=e.medium) for e in stored
+            )
 
     def shutdown(self) -> None:
         """Write what the background writer still holds, then stop it."""
