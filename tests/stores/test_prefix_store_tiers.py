@@ -283,3 +283,24 @@ def test_evictions_are_published_as_block_removed(
     )
     assert removed[0].block_hashes == last.block_hashes
     h.close()
+
+
+def test_the_gil_free_writer_writes_ordinary_safetensors_files(tmp_path: Path):
+    import safetensors.torch
+    from safetensors import safe_open
+
+    from kvcompose.stores.prefix.safetensors_io import write_safetensors
+
+    tensors = {
+        "model.layers.1.attn": torch.randn(2, 2, 32, 4, 8),
+        "model.layers.0.attn": torch.randn(2, 3).to(torch.bfloat16),
+        "flags": torch.tensor([True, False, True]),
+        "small": torch.randint(-5, 5, (7,), dtype=torch.int8),
+    }
+    path = str(tmp_path / "x.safetensors")
+    write_safetensors(path, tensors, {"key": "k1", "num_tokens": "32"})
+    back = safetensors.torch.load_file(path)
+    assert set(back) == set(tensors)
+    assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())
+    with safe_open(path, "pt") as fh:
+        assert fh.metadata() == {"key": "k1", "num_tokens": "32"}

@@ -119,12 +119,12 @@ class ChunkFiles:
 
         Raises ``OSError`` (after removing the temporary file) when the write fails.
         """
-        import safetensors.torch
+        from kvcompose.stores.prefix.safetensors_io import write_safetensors
 
         final = self.file(key)
         tmp = os.path.join(self.path, f".{os.path.basename(final)}.{uuid.uuid4().hex}.tmp")
         try:
-            safetensors.torch.save_file(tensors, tmp, metadata=metadata)
+            write_safetensors(tmp, tensors, metadata)
             os.replace(tmp, final)
         except OSError:
             with contextlib.suppress(OSError):
