@@ -135,20 +135,48 @@ def test_full_queue_drops_saves_instead_of_stalling(tiny_model_dir: Path, tmp_pa
     h.close()
 
 
-def test_preemption_cancels_queued_copies(tiny_model_dir: Path, tmp_path: Path):
+def test_preemption_writes_the_queued_chunks_before_the_blocks_are_reused(
+    tiny_model_dir: Path, tmp_path: Path
+):
     h = harness(tiny_model_dir, tmp_path / "kv")
     gate = gate_writer(h)
     h.add_request(num_tokens=3 * BLOCK + 5, max_tokens=8, request_id="a")
     h.step()  # the prompt is computed; three saves queued (one waiting at the gate)
-    assert h.worker_connector.connector_worker.writer.pending() == 3
+    writer = h.worker_connector.connector_worker.writer
+    assert writer.pending() == 3
     h.preempt("a")
     released = threading.Timer(0.5, gate.set)  # the fence waits for the write in progress
     released.start()
-    h.step()  # the worker learns of the preemption before this step's forward
+    h.step()  # before this step's forward the worker writes a's queued chunks itself
     released.join()
-    writer = h.worker_connector.connector_worker.writer
-    assert writer.pending() == 0 or writer.flush(30)
-    assert worker_totals(h)["saves_dropped"] == 2
+    assert writer.pending() == 0
+    assert store_usage(tmp_path / "kv")["files"] == 3
+    assert worker_totals(h)["saves_dropped"] == 0
     h.run_until_idle()
     h.assert_clean()
+    h.close()
+
+
+def test_a_queued_chunk_is_offered_and_loaded_from_the_held_blocks(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    h = harness(tiny_model_dir, tmp_path / "kv")
+    gate = gate_writer(h)
+    a = h.add_request(num_tokens=3 * BLOCK + 5, max_tokens=8, request_id="a")
+    h.step()  # a's three chunks are queued; nothing is written (the gate is closed)
+    blocks_a = h.history[-1].scheduler_output.scheduled_new_reqs[0].block_ids[0][:3]
+    caches = h.caches  # type: ignore[attr-defined]
+    expected = {name: kv[blocks_a].clone() for name, kv in caches.items()}
+    h.add_request(list(a.prompt_token_ids), max_tokens=2, request_id="b")
+    h.step()  # b's lookup finds the queued chunks; its load copies a's blocks
+    assert store_usage(tmp_path / "kv")["files"] == 0
+    assert worker_totals(h)["chunks_loaded"] == 3
+    blocks_b = h.history[-1].scheduler_output.scheduled_new_reqs[0].block_ids[0][:3]
+    for name, kv in caches.items():
+        assert torch.equal(kv[blocks_b], expected[name])
+    gate.set()
+    h.run_until_idle()
+    h.assert_clean()
+    assert store_usage(tmp_path / "kv")["files"] == 3
+    assert not h.connector.connector_scheduler._queued  # written: no longer offered as queued
     h.close()

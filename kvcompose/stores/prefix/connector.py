@@ -226,6 +226,9 @@ class PrefixStoreConnector(KVConnectorBase_V1):
     def get_kv_connector_kv_cache_events(self) -> Any:
         return self.worker.kv_cache_events()
 
+    def build_connector_worker_meta(self) -> Any:
+        return self.worker.worker_meta()
+
     def shutdown(self) -> None:
         """Let the background writer finish what it queued."""
         if self.connector_worker is not None:

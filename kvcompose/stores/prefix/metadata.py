@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass
@@ -65,3 +68,19 @@ class PrefixStoreMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     finished_saves: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StoreWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker to scheduler: background writes finished since the last step, by key."""
+
+    written: set[str] = field(default_factory=set)
+    dropped: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> StoreWorkerMeta:
+        # Several workers: a chunk counts as written once every worker wrote its file
+        # (lookups check the files then); any worker's drop withdraws the offer.
+        if isinstance(other, StoreWorkerMeta):
+            self.written |= other.written
+            self.dropped |= other.dropped
+        return self

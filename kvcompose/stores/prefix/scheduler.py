@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvcompose.stores.prefix.admission import AdmissionRule, FrequencySketch
 from kvcompose.stores.prefix.keys import chunk_keys, lookup_limit_chunks, request_salt
-from kvcompose.stores.prefix.metadata import ChunkLoad, LoadSpec, PrefixStoreMetadata, SaveSpec
+from kvcompose.stores.prefix.metadata import (
+    ChunkLoad,
+    LoadSpec,
+    PrefixStoreMetadata,
+    SaveSpec,
+    StoreWorkerMeta,
+)
 from kvcompose.stores.prefix.stats import PrefixStoreStats
 from kvcompose.stores.prefix.tier import StoreKVEvents
 
@@ -92,6 +98,9 @@ class PrefixStoreScheduler:
         self.background = config.save_mode == "background"
         self._saving_reqs: set[str] = set()
         self._finished_saves: list[str] = []
+        #: Chunks queued for the background writer and not yet reported written or dropped:
+        #: offered to lookups (the worker copies them from the held blocks).
+        self._queued: set[str] = set()
         self.admission = AdmissionRule(
             config.admit_min_prompt_tokens, config.admit_min_seen, config.promote
         )
@@ -121,8 +130,9 @@ class PrefixStoreScheduler:
             return 0
         limit = lookup_limit_chunks(len(request.prompt_token_ids or []), self.chunk_tokens)
         n = 0
+        queued = self._queued
         for key in self._prompt_keys(request, salt)[:limit]:
-            if not self.files.stored(key):
+            if key not in queued and not self.files.stored(key):
                 break
             n += 1
         return n
@@ -267,7 +277,12 @@ class PrefixStoreScheduler:
         cb = self.config.chunk_blocks
         for idx in range(state.next_save_chunk, n_full):
             key = keys[idx]
-            if key in planned or key in self._inflight_saves or self.files.stored(key):
+            if (
+                key in planned
+                or key in self._inflight_saves
+                or key in self._queued
+                or self.files.stored(key)
+            ):
                 continue
             blocks = state.block_ids[idx * cb : (idx + 1) * cb]
             if len(blocks) < cb:
@@ -278,6 +293,7 @@ class PrefixStoreScheduler:
             self._inflight_saves[key] = self._step
             if self.background:
                 self._saving_reqs.add(req_id)
+                self._queued.add(key)
             meta.saves.append(
                 SaveSpec(key=key, block_ids=list(blocks), num_tokens=self.chunk_tokens,
                          req_id=req_id, event=self._stored_event(state, idx))
@@ -340,6 +356,10 @@ class PrefixStoreScheduler:
         # "recompute" policy vLLM looks it up once more).
         failed = getattr(connector_output, "failed_recving", None) or ()
         self._no_store_reqs.update(failed)
+        outcome = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(outcome, StoreWorkerMeta):
+            self._queued -= outcome.written
+            self._queued -= outcome.dropped
         events = getattr(connector_output, "kv_cache_events", None)
         if isinstance(events, StoreKVEvents):
             self._events.extend(events.aggregate().get_all_events())
@@ -379,4 +399,5 @@ class PrefixStoreScheduler:
             return False
         self.files.clear()
         self._inflight_saves.clear()
+        self._queued.clear()
         return True

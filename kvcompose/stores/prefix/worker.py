@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from kvcompose.stores.prefix.metadata import StoreWorkerMeta
 from kvcompose.stores.prefix.stats import PrefixStoreStats
 from kvcompose.stores.prefix.tier import StoreKVEvents
 from kvcompose.stores.prefix.writer import ChunkWriter, WriteJob
@@ -149,7 +150,8 @@ class PrefixStoreWorker:
             for dst, src in plan:
                 dst.index_copy_(0, idx.to(dst.device), src.to(dst.device, non_blocking=True))
                 progress.nbytes += src.numel() * src.element_size()
-            progress.files.append(self.files.file(chunk.key))
+            if self.files.stored_here(chunk.key):
+                progress.files.append(self.files.file(chunk.key))
             progress.chunks += 1
             progress.tokens += chunk.num_tokens
         return self.report_load(spec, progress, t0)
@@ -160,8 +162,12 @@ class PrefixStoreWorker:
         """(destination cache, source tiles) per layer; raises if the file does not fit.
 
         Everything is read and checked before anything is copied, so a bad file leaves the
-        cache untouched.
+        cache untouched. A chunk the background writer has not written yet is copied from
+        the blocks its job holds.
         """
+        job = self.writer.job_for(chunk.key) if self.writer is not None else None
+        if job is not None and not self.files.stored_here(chunk.key):
+            return self._copy_plan_from_job(chunk, job, caches)
         tensors = self.files.read(chunk.key)
         plan = []
         n = len(chunk.block_ids)
@@ -178,6 +184,23 @@ class PrefixStoreWorker:
                     f"cache blocks {tuple(dst.shape[1:])}/{dst.dtype}"
                 )
             plan.append((dst, src[chunk.first_block : chunk.first_block + n]))
+        return plan
+
+    def _copy_plan_from_job(
+        self, chunk: ChunkLoad, job: WriteJob, caches: dict[str, torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination cache, source blocks) per layer, from a queued write's held blocks
+        (vLLM frees them only after the write, and this step's forward does not touch them)."""
+        n = len(chunk.block_ids)
+        src_ids = job.block_ids[chunk.first_block : chunk.first_block + n]
+        if len(src_ids) < n or set(caches) - set(job.caches):
+            raise ValueError(f"queued chunk {chunk.key} does not cover the load")
+        plan = []
+        for name, kv in caches.items():
+            dst = self._by_block(kv)
+            src = self._by_block(job.caches[name])
+            idx = torch.tensor(src_ids, dtype=torch.long, device=src.device)
+            plan.append((dst, src.index_select(0, idx)))
         return plan
 
     def report_load(self, spec: LoadSpec, progress: LoadProgress, t0: float) -> bool:
@@ -214,9 +237,7 @@ class PrefixStoreWorker:
         if self.writer is None or meta is None:
             return
         if meta.preempted:
-            dropped = self.writer.cancel(meta.preempted)
-            if dropped:
-                self._record(saves_dropped=dropped)
+            self.writer.write_now(meta.preempted)
         for req_id in meta.finished_saves:
             self.writer.request_finished(req_id)
 
@@ -267,6 +288,7 @@ class PrefixStoreWorker:
         if not caches:
             logger.error("PrefixStoreConnector: no KV cache layers registered; cannot save")
             self._record(saves_dropped=len(meta.saves))
+            self.writer.drop(spec.key for spec in meta.saves)
             return
         dropped = 0
         for spec in reversed(meta.saves):
@@ -278,10 +300,11 @@ class PrefixStoreWorker:
         if dropped:
             self._record(saves_dropped=dropped)
 
-    def _write_job(self, job: WriteJob) -> None:
-        """On the writer thread: copy the held blocks of every layer, write, evict."""
+    def _write_job(self, job: WriteJob) -> bool:
+        """On the writer thread: copy the held blocks of every layer, write, evict; True
+        when the chunk's file exists afterwards."""
         if self.files.stored_here(job.key):
-            return
+            return True
         t0 = time.perf_counter()
         layers = {}
         for name, kv in job.caches.items():
@@ -290,7 +313,7 @@ class PrefixStoreWorker:
             layers[name] = grouped.index_select(0, idx).to("cpu").contiguous()
         written = self._write_chunk(job.key, job.num_tokens, layers, job.event)
         if written is None:
-            return
+            return False
         self._evict()
         self._record(
             chunks_saved=1,
@@ -298,6 +321,7 @@ class PrefixStoreWorker:
             bytes_saved=written,
             save_time_s=time.perf_counter() - t0,
         )
+        return True
 
     def _write_chunk(
         self, key: str, num_tokens: int, layers: dict[str, torch.Tensor], event: Any = None
@@ -370,6 +394,16 @@ class PrefixStoreWorker:
         self._finished_recving = set()
         self._failed_recving = set()
         return res
+
+    def worker_meta(self) -> StoreWorkerMeta | None:
+        """Background writes written or dropped since the last step (the scheduler half
+        offers queued chunks to lookups until it hears of them)."""
+        if self.writer is None:
+            return None
+        written, dropped = self.writer.take_outcomes()
+        if not written and not dropped:
+            return None
+        return StoreWorkerMeta(written=written, dropped=dropped)
 
     def kv_cache_events(self) -> StoreKVEvents | None:
         """The events of chunks written since the last call (vLLM collects them each step)."""

@@ -11,9 +11,13 @@ guarantees with vLLM's delayed free: ``request_finished`` returns ``True`` for a
 with saves planned, the next step's metadata carries the finish notice, and the worker
 reports the request in ``finished_sending`` once its last job is written or dropped
 (``Scheduler._update_from_kv_xfer_finished`` frees the blocks then). A preempted request's
-blocks are freed at once (vLLM calls no connector method), so the worker cancels its queued
-jobs and waits for the one being written before the step's forward can reuse the blocks
-(:meth:`ChunkWriter.cancel`).
+blocks are freed at once (vLLM calls no connector method), so the worker writes its queued
+jobs itself, before the step's forward can reuse the blocks (:meth:`ChunkWriter.write_now`).
+
+A chunk that is queued or being written is already offered to lookups (the scheduler half
+counts it as stored until the worker reports it written or dropped, :meth:`take_outcomes`):
+a load of it copies the held source blocks directly (:meth:`job_for`), so the next turn of
+a conversation that arrives before the file is written still hits.
 
 The queue is bounded (``max_pending_saves`` chunks): when it is full a save is dropped and
 counted instead of stalling the step; a dropped save is a future miss, never wrong data.
@@ -54,13 +58,17 @@ class ChunkWriter:
     request's blocks are released (``take_finished``) exactly when its last write is over.
     """
 
-    def __init__(self, write: Callable[[WriteJob], None], max_pending: int) -> None:
+    def __init__(self, write: Callable[[WriteJob], bool], max_pending: int) -> None:
         self._write = write
         self.max_pending = max_pending
         self._cv = threading.Condition()
         self._queue: deque[WriteJob] = deque()
-        self._queued_keys: set[str] = set()
+        #: Key -> its job, queued or being written.
+        self._jobs: dict[str, WriteJob] = {}
         self._busy: WriteJob | None = None
+        #: Keys written / dropped since the last ``take_outcomes``.
+        self._written: set[str] = set()
+        self._dropped: set[str] = set()
         #: Request id -> jobs queued or being written.
         self._outstanding: Counter[str] = Counter()
         #: Finished requests whose blocks are held until their jobs are done.
@@ -75,14 +83,13 @@ class ChunkWriter:
         """Queue ``job``; False when the queue is full (the save is dropped), None when
         the same chunk is already queued or being written (nothing to do)."""
         with self._cv:
-            if job.key in self._queued_keys or (
-                self._busy is not None and self._busy.key == job.key
-            ):
+            if job.key in self._jobs:
                 return None
             if len(self._queue) >= self.max_pending or self._closed:
+                self._dropped.add(job.key)
                 return False
             self._queue.append(job)
-            self._queued_keys.add(job.key)
+            self._jobs[job.key] = job
             self._outstanding[job.req_id] += 1
             self._ensure_thread()
             self._cv.notify_all()
@@ -97,26 +104,38 @@ class ChunkWriter:
                 del self._outstanding[req_id]
                 self._released.add(req_id)
 
-    def cancel(self, req_ids: Iterable[str]) -> int:
-        """Drop the queued jobs of ``req_ids`` (preempted: their blocks are being freed)
-        and wait until none of them is being written; returns how many were dropped."""
+    def write_now(self, req_ids: Iterable[str]) -> int:
+        """Write the queued jobs of ``req_ids`` in the calling thread and wait until none
+        of theirs is being written (preempted: vLLM is about to reuse their blocks);
+        returns how many were written here."""
         ids = set(req_ids)
         if not ids:
             return 0
         with self._cv:
-            kept: deque[WriteJob] = deque()
-            dropped = 0
-            for job in self._queue:
-                if job.req_id in ids:
-                    dropped += 1
-                    self._queued_keys.discard(job.key)
-                    self._job_done_locked(job)
-                else:
-                    kept.append(job)
-            self._queue = kept
+            mine = [job for job in self._queue if job.req_id in ids]
+            self._queue = deque(job for job in self._queue if job.req_id not in ids)
             while self._busy is not None and self._busy.req_id in ids:
                 self._cv.wait()
-            return dropped
+        for job in mine:
+            self._run_job(job)
+        return len(mine)
+
+    def drop(self, keys: Iterable[str]) -> None:
+        """Saves the step could not even queue (reported like the writer's own drops)."""
+        with self._cv:
+            self._dropped.update(keys)
+
+    def job_for(self, key: str) -> WriteJob | None:
+        """The job of chunk ``key`` while it is queued or being written."""
+        with self._cv:
+            return self._jobs.get(key)
+
+    def take_outcomes(self) -> tuple[set[str], set[str]]:
+        """Keys written and keys dropped since the last call."""
+        with self._cv:
+            out = (self._written, self._dropped)
+            self._written, self._dropped = set(), set()
+            return out
 
     def take_finished(self) -> set[str]:
         """Finished requests whose writes are all over (reported once each)."""
@@ -170,14 +189,20 @@ class ChunkWriter:
                 if not self._queue:
                     return
                 job = self._queue.popleft()
-                self._queued_keys.discard(job.key)
                 self._busy = job
-            try:
-                self._write(job)
-            except Exception:  # a failed save is a future miss; the thread lives on
-                logger.exception("PrefixStoreConnector: background write of %s failed", job.key)
-            finally:
-                with self._cv:
+            self._run_job(job, busy=True)
+
+    def _run_job(self, job: WriteJob, *, busy: bool = False) -> None:
+        ok = False
+        try:
+            ok = self._write(job)
+        except Exception:  # a failed save is a future miss; the thread lives on
+            logger.exception("PrefixStoreConnector: background write of %s failed", job.key)
+        finally:
+            with self._cv:
+                if busy:
                     self._busy = None
-                    self._job_done_locked(job)
-                    self._cv.notify_all()
+                self._jobs.pop(job.key, None)
+                (self._written if ok else self._dropped).add(job.key)
+                self._job_done_locked(job)
+                self._cv.notify_all()
