@@ -59,8 +59,25 @@ def harness(model_dir: Path, cfg: dict[str, Any]) -> SchedulerHarness:
 
 
 def run(h: SchedulerHarness, prompt: list[int], req_id: str) -> None:
+    """Run one request to the end, its background writes included (the harness's steps
+    are a tight loop, so the writer thread is given the time to write first)."""
     h.add_request(prompt, max_tokens=2, request_id=req_id)
+    while req_id not in h.finished:
+        h.step()
+    for writer in writers(h):
+        assert writer.flush(30)
     h.run_until_idle()
+
+
+def writers(h: SchedulerHarness) -> list[Any]:
+    wc = h.worker_connector
+    children = getattr(wc, "children", None)
+    conns = list(children.connectors) if children is not None else [wc]
+    return [
+        c.connector_worker.writer
+        for c in conns
+        if getattr(c, "connector_worker", None) is not None and c.connector_worker.writer
+    ]
 
 
 def stored_chunks(h: SchedulerHarness, prompt: list[int]) -> int:
@@ -304,3 +321,22 @@ def test_the_gil_free_writer_writes_ordinary_safetensors_files(tmp_path: Path):
     assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())
     with safe_open(path, "pt") as fh:
         assert fh.metadata() == {"key": "k1", "num_tokens": "32"}
+
+
+def test_a_non_saving_background_leaf_offers_nothing_it_never_queued(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    """A composite calls ``wait_for_save`` only on saving children, while every child's
+    scheduler half plans saves: the unqueued saves are reported dropped, not offered."""
+    ro = prefix_store_leaf("ro", tmp_path / "ro", save_mode="background", fields={"save": False})
+    rw = prefix_store_leaf("rw", tmp_path / "rw", save_mode="background")
+    h = harness(tiny_model_dir, kvcompose_config(chain("tiers", ro, rw)))
+    prompt = h.make_prompt(3 * BLOCK + 5, seed="n")
+    run(h, prompt, "a")
+    ro_sched = h.connector.children.connectors[0].connector_scheduler
+    assert not ro_sched._queued and store_usage(tmp_path / "ro")["files"] == 0
+    run(h, prompt, "b")  # served by rw; ro claims nothing
+    counters = h.connector.counters.totals
+    assert counters.get("hits.rw") == 1 and not counters.get("hits.ro")
+    h.assert_clean()
+    h.close()

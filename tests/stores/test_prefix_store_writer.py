@@ -175,6 +175,7 @@ def test_a_queued_chunk_is_offered_and_loaded_from_the_held_blocks(
     for name, kv in caches.items():
         assert torch.equal(kv[blocks_b], expected[name])
     gate.set()
+    assert h.worker_connector.connector_worker.writer.flush(30)
     h.run_until_idle()
     h.assert_clean()
     assert store_usage(tmp_path / "kv")["files"] == 3

@@ -82,6 +82,8 @@ class PrefixStoreWorker:
         self._events: list[Any] = []
         self._published: dict[str, Any] = {}
         self.writer: ChunkWriter | None = None
+        #: Background: this step's planned saves until ``wait_for_save`` queues them.
+        self._unqueued: list[str] = []
         if config.save_mode == "background" and not config.read_only:
             self.writer = ChunkWriter(self._write_job, config.max_pending_saves)
 
@@ -230,12 +232,21 @@ class PrefixStoreWorker:
     # -------------------------------------------------------------------- saves
 
     def begin_step(self, meta: PrefixStoreMetadata | None = None) -> None:
-        """A new step's metadata is bound: tiles of an earlier step are stale; the
-        background writer learns which held requests finished and which were preempted
-        (their blocks are free again: nothing of them may be copied from now on)."""
+        """A new step's metadata is bound: tiles of an earlier step are stale. The
+        background writer writes the queued chunks of preempted requests now (vLLM reuses
+        their blocks from this step's forward on) and learns which held requests finished.
+        Saves of the previous step that were never queued (a composite calls
+        ``wait_for_save`` only on saving children) are reported dropped, so the scheduler
+        half stops offering them."""
         self._save_buf = {}
-        if self.writer is None or meta is None:
+        if self.writer is None:
             return
+        if self._unqueued:
+            self.writer.drop(self._unqueued)
+            self._unqueued = []
+        if meta is None:
+            return
+        self._unqueued = [spec.key for spec in meta.saves]
         if meta.preempted:
             self.writer.write_now(meta.preempted)
         for req_id in meta.finished_saves:
@@ -284,6 +295,7 @@ class PrefixStoreWorker:
 
     def _queue_saves(self, meta: PrefixStoreMetadata) -> None:
         assert self.writer is not None
+        self._unqueued = []
         caches = self._step_caches or self._kv_caches
         if not caches:
             logger.error("PrefixStoreConnector: no KV cache layers registered; cannot save")
