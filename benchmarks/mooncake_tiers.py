@@ -204,6 +204,41 @@ def contenders(info: dict[str, Any], out: Path) -> list[str]:
     return specs
 
 
+def summarize(out: Path) -> str:
+    """The per-configuration table from the bench's ``results.json`` and ``sample.json``."""
+    info = json.loads((out / "sample.json").read_text())
+    results = json.loads((out / "bench" / "results.json").read_text())
+    ceiling = info["ceiling_hit_tokens"]
+    rows = [
+        f"Sample: {info['requests']} requests, {info['prompt_tokens']:,} prompt tokens, "
+        f"one every {info['gap_s']} s; reuse ceiling {ceiling:,} hit tokens "
+        f"({info['ceiling_percent_of_prompt_tokens']} % of prompt tokens; "
+        f"{info['block_reuse_percent']} % of trace blocks); working set "
+        f"{info['working_set_bytes'] / 2**20:.0f} MiB, fast tier capped at "
+        f"{info['fast_max_bytes'] / 2**20:.0f} MiB.",
+        "",
+        "| configuration | TTFT p50 ms | p90 ms | vs recompute | hit tokens fast | slow "
+        "| % of ceiling | MiB written fast | slow | agree % |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in results["contenders"]:
+        lat = c["latency"]
+        stores = (c.get("hits") or {}).get("stores") or {}
+        fast = stores.get("fast", {})
+        slow = stores.get("slow", {})
+        hit = sum(s.get("tokens_loaded", 0) for s in stores.values())
+        agree = (c.get("agreement") or {}).get("percent")
+        rows.append(
+            f"| {c['label']} | {lat['ttft_p50_s'] * 1e3:,.0f} | {lat['ttft_p90_s'] * 1e3:,.0f} "
+            f"| {c.get('ttft_p50_speedup') or 1.0:.1f}x "
+            f"| {fast.get('tokens_loaded', 0):,} | {slow.get('tokens_loaded', 0):,} "
+            f"| {100 * hit / ceiling:.0f} % "
+            f"| {fast.get('bytes_written', 0) / 2**20:,.0f} "
+            f"| {slow.get('bytes_written', 0) / 2**20:,.0f} | {agree} |"
+        )
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=TRACE)
@@ -212,8 +247,14 @@ def main() -> None:
     ap.add_argument("--gap", type=float, default=1.5, help="seconds between arrivals")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--summarize", action="store_true", help="only print the summary table")
     ap.add_argument("bench_args", nargs="*", help="extra kvcompose bench arguments")
     args = ap.parse_args()
+    if args.summarize:
+        table = summarize(args.out)
+        (args.out / "summary.md").write_text(table + "\n")
+        print(table)
+        return
     info = build(args)
     print(json.dumps({k: v for k, v in info.items() if k != "trace_indices"}, indent=2))
     specs = contenders(info, args.out)
@@ -231,7 +272,12 @@ def main() -> None:
         cmd += ["-c", spec]
     cmd += ["--out", str(args.out / "bench"), "--repeats", "1", *args.bench_args]
     print(" ".join(cmd), flush=True)
-    raise SystemExit(subprocess.call(cmd, cwd=ROOT))
+    rc = subprocess.call(cmd, cwd=ROOT)
+    if rc == 0:
+        table = summarize(args.out)
+        (args.out / "summary.md").write_text(table + "\n")
+        print(table)
+    raise SystemExit(rc)
 
 
 if __name__ == "__main__":
