@@ -120,6 +120,16 @@ def test_capacity_keeps_a_chains_first_chunks_and_reports_occupancy(
     assert totals(h)["occupancy_bytes"] <= chunk_bytes * 5 // 2
     h.close()
 
+    # Uncapped: occupancy counted up from one scan.
+    h = harness(tiny_model_dir, store_cfg(tmp_path / "kv3"))
+    run(h, prompt, "a")
+    run(h, h.make_prompt(2 * BLOCK + 5, seed="b"), "b")
+    usage = store_usage(tmp_path / "kv3")
+    t = totals(h)
+    assert usage["files"] == 8 and t["evictions"] == 0
+    assert (t["occupancy_chunks"], t["occupancy_bytes"]) == (usage["files"], usage["bytes"])
+    h.close()
+
 
 def test_admission_by_prompt_length_and_frequency(tiny_model_dir: Path, tmp_path: Path):
     h = harness(

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from kvcompose.stores.prefix.files import store_usage
 from kvcompose.stores.prefix.metadata import StoreWorkerMeta
 from kvcompose.stores.prefix.stats import PrefixStoreStats
 from kvcompose.stores.prefix.tier import StoreKVEvents
@@ -82,6 +83,8 @@ class PrefixStoreWorker:
         self._events: list[Any] = []
         self._published: dict[str, Any] = {}
         self.writer: ChunkWriter | None = None
+        #: An uncapped store's (chunks, bytes), counted up from one scan at the first write.
+        self._occupancy: tuple[int, int] | None = None
         #: Background: this step's planned saves until ``wait_for_save`` queues them.
         self._unqueued: list[str] = []
         if config.save_mode == "background" and not config.read_only:
@@ -285,7 +288,7 @@ class PrefixStoreWorker:
             nbytes += written
         self._save_buf = {}
         if chunks:
-            self._evict()
+            self._evict(chunks, nbytes)
         self._record(
             chunks_saved=chunks,
             tokens_saved=tokens,
@@ -326,7 +329,7 @@ class PrefixStoreWorker:
         written = self._write_chunk(job.key, job.num_tokens, layers, job.event)
         if written is None:
             return False
-        self._evict()
+        self._evict(1, written)
         self._record(
             chunks_saved=1,
             tokens_saved=job.num_tokens,
@@ -359,10 +362,23 @@ class PrefixStoreWorker:
                 self._published[key] = event
         return size
 
-    def _evict(self) -> None:
-        """Evict down to the configured capacity and record the occupancy left."""
+    def _evict(self, chunks: int = 0, nbytes: int = 0) -> None:
+        """After writing ``chunks`` files of ``nbytes``: evict down to the capacity and
+        record the occupancy left (an uncapped store counts up from one directory scan)."""
         cfg = self.config
         if cfg.max_chunks is None and cfg.max_bytes is None:
+            with self._stats_lock:
+                if self._occupancy is None:
+                    usage = store_usage(self.files.path)
+                    self._occupancy = (usage["files"], usage["bytes"])
+                else:
+                    self._occupancy = (self._occupancy[0] + chunks, self._occupancy[1] + nbytes)
+                levels = {
+                    "occupancy_chunks": self._occupancy[0],
+                    "occupancy_bytes": self._occupancy[1],
+                }
+                self._interval_stats.set_level(**levels)
+                self.total_stats.set_level(**levels)
             return
         occupancy = self.files.evict(cfg.max_chunks, cfg.max_bytes)
         if occupancy.evicted:
