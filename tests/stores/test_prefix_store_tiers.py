@@ -350,3 +350,19 @@ def test_a_non_saving_background_leaf_offers_nothing_it_never_queued(
     assert counters.get("hits.rw") == 1 and not counters.get("hits.ro")
     h.assert_clean()
     h.close()
+
+
+def test_background_evictions_wait_for_the_step_boundary(tiny_model_dir: Path, tmp_path: Path):
+    """The writer thread never deletes: a chunk a lookup has just promised must still be
+    there when the step loads it (the store evicts in ``wait_for_save``, between steps)."""
+    h = harness(tiny_model_dir, store_cfg(tmp_path / "kv", max_chunks=1))
+    h.add_request(h.make_prompt(3 * BLOCK + 5, seed="e"), max_tokens=4, request_id="a")
+    h.step()
+    (writer,) = writers(h)
+    assert writer.flush(30)
+    assert store_usage(tmp_path / "kv")["files"] == 3  # written, not evicted yet
+    h.step()
+    assert store_usage(tmp_path / "kv")["files"] == 1
+    assert totals(h)["evictions"] == 2
+    h.run_until_idle()
+    h.close()

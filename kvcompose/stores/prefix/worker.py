@@ -83,6 +83,8 @@ class PrefixStoreWorker:
         self._events: list[Any] = []
         self._published: dict[str, Any] = {}
         self.writer: ChunkWriter | None = None
+        #: Background, capped: the writer wrote since the last eviction pass.
+        self._evict_due = False
         #: An uncapped store's (chunks, bytes), counted up from one scan at the first write.
         self._occupancy: tuple[int, int] | None = None
         #: Background: this step's planned saves until ``wait_for_save`` queues them.
@@ -267,10 +269,14 @@ class PrefixStoreWorker:
     def wait_for_save(self, meta: PrefixStoreMetadata) -> None:
         """Write the step's complete chunks, then evict down to the capacity (sync), or
         queue them for the writer thread (background)."""
-        if not meta.saves:
-            return
         if self.writer is not None:
-            self._queue_saves(meta)
+            if self._evict_due:
+                self._evict_due = False
+                self._evict()
+            if meta.saves:
+                self._queue_saves(meta)
+            return
+        if not meta.saves:
             return
         t0 = time.perf_counter()
         expected = set(self._kv_caches)
@@ -329,7 +335,13 @@ class PrefixStoreWorker:
         written = self._write_chunk(job.key, job.num_tokens, layers, job.event)
         if written is None:
             return False
-        self._evict(1, written)
+        if self.config.max_chunks is None and self.config.max_bytes is None:
+            self._evict(1, written)  # counts occupancy up; deletes nothing
+        else:
+            # Deleting here could remove a chunk a lookup has just promised and the step
+            # is about to load; evict between steps instead (``wait_for_save``), where a
+            # synchronous store evicts too.
+            self._evict_due = True
         self._record(
             chunks_saved=1,
             tokens_saved=job.num_tokens,
