@@ -247,6 +247,7 @@ def main() -> None:
     ap.add_argument("--gap", type=float, default=1.5, help="seconds between arrivals")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--only", help="comma-separated configurations to run (recompute kept)")
     ap.add_argument("--summarize", action="store_true", help="only print the summary table")
     ap.add_argument("bench_args", nargs="*", help="extra kvcompose bench arguments")
     args = ap.parse_args()
@@ -258,6 +259,9 @@ def main() -> None:
     info = build(args)
     print(json.dumps({k: v for k, v in info.items() if k != "trace_indices"}, indent=2))
     specs = contenders(info, args.out)
+    if args.only:
+        keep = {"recompute", *args.only.split(",")}
+        specs = [spec for spec in specs if spec.split("=", 1)[0] in keep]
     if args.build_only:
         return
     cmd = [
