@@ -22,8 +22,10 @@ the background (``save_mode: background``); ``longest-sync`` is plain ``longest`
 stores writing in the engine step, for comparison. Admission: ``admit_min_seen: 2``.
 Promotion: ``promote: true`` on the fast tier.
 
-Run: ``flock /tmp/kvcompose-engine.lock .venv/bin/python benchmarks/mooncake_tiers.py``;
-results (the bench's report plus ``sample.json``) go to ``benchmarks/results/mooncake_tiers/``.
+Run: ``flock /tmp/kvcompose-engine.lock .venv/bin/python benchmarks/mooncake_tiers.py``
+(about 10 minutes on 2 cores); results (the bench's report plus ``sample.json`` and
+``summary.md``) go to ``benchmarks/results/mooncake_tiers/``. The synthetic trace:
+``--trace .../synthetic_trace.jsonl --gap 2.0 --out benchmarks/results/mooncake_tiers_synthetic``.
 """
 
 from __future__ import annotations
