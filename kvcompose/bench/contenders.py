@@ -34,8 +34,23 @@ PLACEHOLDER = re.compile(r"\{(store|tmpfs):([A-Za-z0-9_][A-Za-z0-9_.-]*)\}")
 
 STORE_CONNECTOR = "PrefixStoreConnector"
 STORE_MODULE = "kvcompose.stores"
-#: Keys of a PrefixStoreConnector's extra config that do not change what it stores.
-_STORE_RUNTIME_KEYS = ("path", "read_only", "max_chunks", "load_mode", "fail_load_request_ids")
+#: Keys of a PrefixStoreConnector's extra config that do not change what it stores; the
+#: preparation engine drops them, so it writes the prepared prompts whole, in the step
+#: (no capacity, admission, promotion or background writer).
+_STORE_RUNTIME_KEYS = (
+    "path",
+    "read_only",
+    "max_chunks",
+    "max_bytes",
+    "load_mode",
+    "save_mode",
+    "max_pending_saves",
+    "admit_min_prompt_tokens",
+    "admit_min_seen",
+    "promote",
+    "medium",
+    "fail_load_request_ids",
+)
 
 
 class ContenderError(ValueError):

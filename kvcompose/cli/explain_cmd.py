@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.tree import Tree
 
 from kvcompose.cli.common import FILE_HELP, add_load_flags, console, load
+from kvcompose.cli.explain_tiers import tier_lines
 from kvcompose.config import Config, effective_saves, known
 from kvcompose.config.compile import PARAMS_PRODUCERS
 from kvcompose.config.render import MODULE_PATH, composite_class
@@ -66,6 +67,8 @@ def _tree(
     branch = Tree(label, guide_style="dim") if tree is None else tree.add(label)
     if isinstance(node, Leaf):
         for line in _leaf_details(config, node):
+            branch.add(f"[dim]{escape(line)}[/dim]")
+        for line in tier_lines(config.tree, node):
             branch.add(f"[dim]{escape(line)}[/dim]")
         return branch
     for index, child in enumerate(node.children):

@@ -230,9 +230,12 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
             counter = self._counters.get(prefix)
             if counter is not None and value:
                 counter.labels(*engine_labels, node, *extra).inc(value)
-        for entry in data.get("children", {}).values():
+        for name, entry in data.get("children", {}).items():
             metrics = self._by_class.get(entry["cls"])
-            if metrics is not None:
+            observe_node = getattr(metrics, "observe_node", None)
+            if observe_node is not None:  # per-node labels (kvcompose's stores: ``tier``)
+                observe_node(name, entry["data"], engine_idx)
+            elif metrics is not None:
                 metrics.observe(entry["data"], engine_idx)
             elif "counters" in entry["data"]:  # a nested composite
                 self._observe(entry["data"], engine_idx)

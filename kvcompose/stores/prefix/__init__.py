@@ -38,6 +38,19 @@ Load it with::
     Replaces the model name in the hash salt (default: model path, dtype, KV-cache dtype,
     block size, chunk size), e.g. to share a store between two copies of the same model
     directory.
+``save_mode`` ("sync" | "background", default "sync"), ``max_pending_saves`` (default 64)
+    Write in ``wait_for_save`` (in the engine step), or queue for a writer thread that
+    holds the request's blocks (delayed free) until written and drops saves past
+    ``max_pending_saves`` queued chunks.
+``max_bytes`` (int >= 1, optional)
+    Cap on the bytes of chunk files, evicted like ``max_chunks``.
+``admit_min_prompt_tokens`` (default 0), ``admit_min_seen`` (default 1), ``promote``
+    Admission: save only prompts this long, only chunks this many requests carried;
+    ``promote: true`` saves chunks another tier loaded whatever the rule.
+``medium`` ("cpu" | "tmpfs" | "disk" | "remote", default: from the mount)
+    The vLLM hit source and the KV cache events' medium.
+
+The hierarchy keys are described in ``docs/stores.md``.
 
 Fault injection for tests (``fail_load_request_ids``) lives in a test double,
 ``FaultyPrefixStoreConnector`` in :mod:`kvcompose.testing.faulty_store`.
@@ -51,9 +64,10 @@ Lookups count only chunks inside ``prompt[:-1]`` and return ``(0, False)`` rathe
 ``(0, True)``. Only prompt tokens are saved, once their chunk is fully computed (chunked
 prefill included); a chunk already on disk is not rewritten. Requests with multimodal
 inputs or prompt embeddings are neither looked up nor saved (their KV is not determined by
-the token ids). The LoRA name and the request's ``cache_salt`` are part of the hash. Saves
-are synchronous (written in ``wait_for_save``), so ``request_finished`` never delays
-freeing.
+the token ids). The LoRA name and the request's ``cache_salt`` are part of the hash. With
+``save_mode: sync`` saves are written in ``wait_for_save`` and ``request_finished`` never
+delays freeing; with ``background`` it returns ``True`` for a request with saves planned
+and the worker reports it in ``finished_sending`` once they are written.
 
 Limits: models with one KV cache group only (refused otherwise); with tensor or pipeline
 parallelism each worker writes its own file per chunk (``<key>.pp<p>tp<t>.safetensors``)
@@ -62,9 +76,11 @@ worker); ``max_chunks`` eviction runs in the worker after writes, without coordi
 between several engines sharing a directory.
 
 Modules, one role each: ``keys`` (chunk hashing), ``config`` (the extra config),
-``files`` (directory layout and I/O), ``metadata`` (what a step carries from scheduler to
-workers), ``stats``, ``scheduler`` and ``worker`` (the two halves), ``connector`` (the vLLM
-class, delegating by role).
+``files`` (directory layout, I/O, eviction), ``metadata`` (what a step carries from
+scheduler to workers), ``stats`` and ``prom`` (counters, Prometheus), ``admission``
+(admission rule, frequency sketch), ``tier`` (medium, hit source, KV events), ``writer``
+(the background writer), ``scheduler`` and ``worker`` (the two halves), ``connector`` (the
+vLLM class, delegating by role).
 """
 
 from kvcompose.stores.prefix.config import PrefixStoreConfig

@@ -30,6 +30,13 @@ class PrefixStoreConfig(BaseModel):
         "max_chunks": "must be an int >= 1",
         "read_only": "must be a bool",
         "namespace": "must be a string",
+        "save_mode": "must be 'sync' or 'background'",
+        "max_pending_saves": "must be an int >= 1",
+        "max_bytes": "must be an int >= 1",
+        "medium": "must be one of 'cpu', 'tmpfs', 'disk', 'remote'",
+        "admit_min_prompt_tokens": "must be an int >= 0",
+        "admit_min_seen": "must be an int >= 1",
+        "promote": "must be a bool",
     }
     #: Keys this class no longer accepts, with where they went.
     MOVED: ClassVar[dict[str, str]] = {
@@ -47,6 +54,29 @@ class PrefixStoreConfig(BaseModel):
     max_chunks: Annotated[int, Field(ge=1, description="Cap on chunk files (LRU).")] | None = None
     read_only: bool = Field(False, description="Only load; never save, touch or evict.")
     namespace: str | None = Field(None, description="Replaces the model part of the salt.")
+    save_mode: Literal["sync", "background"] = Field(
+        "sync",
+        description="Write saves in the step (sync) or on a writer thread (background), "
+        "holding the request's blocks until written.",
+    )
+    max_pending_saves: Annotated[
+        int, Field(ge=1, description="Chunks queued for the writer; more are dropped.")
+    ] = 64
+    max_bytes: (
+        Annotated[int, Field(ge=1, description="Cap on the bytes of chunk files.")] | None
+    ) = None
+    medium: Literal["cpu", "tmpfs", "disk", "remote"] | None = Field(
+        None, description="What holds the files (hit source, KV events); default: from the mount."
+    )
+    admit_min_prompt_tokens: Annotated[
+        int, Field(ge=0, description="Save only prompts of at least this many tokens.")
+    ] = 0
+    admit_min_seen: Annotated[
+        int, Field(ge=1, description="Save a chunk once requests have shown it this many times.")
+    ] = 1
+    promote: bool = Field(
+        False, description="Store chunks another tier loaded, whatever the admission rule."
+    )
 
     @field_validator("path", mode="before")
     @classmethod

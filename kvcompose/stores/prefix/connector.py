@@ -26,6 +26,7 @@ from kvcompose.stores.prefix.keys import store_salt
 from kvcompose.stores.prefix.metadata import PrefixStoreMetadata
 from kvcompose.stores.prefix.scheduler import PrefixStoreScheduler
 from kvcompose.stores.prefix.stats import PrefixStoreStats
+from kvcompose.stores.prefix.tier import EVENT_MEDIUM, HIT_SOURCE, detect_medium
 from kvcompose.stores.prefix.worker import PrefixStoreWorker
 
 if TYPE_CHECKING:
@@ -65,6 +66,9 @@ class PrefixStoreConnector(KVConnectorBase_V1):
         self.config = self.config_class.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
+        #: What holds the files: the hit source vLLM counts and the KV events' medium.
+        self.medium = self.config.medium or detect_medium(self.config.path)
+        self._cache_hit_source = HIT_SOURCE[self.medium]
         block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
         tags = worker_tags(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
@@ -83,6 +87,7 @@ class PrefixStoreConnector(KVConnectorBase_V1):
                 salt=store_salt(vllm_config, self.config.namespace, block_size, chunk_tokens),
                 loads_enabled=ktc.is_kv_consumer,
                 saves_enabled=ktc.is_kv_producer and not self.config.read_only,
+                event_medium=EVENT_MEDIUM[self.medium] if _kv_events_on(vllm_config) else None,
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = self.worker_class(
@@ -118,9 +123,24 @@ class PrefixStoreConnector(KVConnectorBase_V1):
         return PrefixStoreStats(data=dict(data) if data else {})
 
     def get_kv_connector_stats(self) -> PrefixStoreStats | None:
-        if self.connector_worker is None:
-            return None
-        return self.connector_worker.interval_stats()
+        """The worker's I/O counters, or (scheduler role) the admission counters."""
+        if self.connector_worker is not None:
+            return self.connector_worker.interval_stats()
+        if self.connector_scheduler is not None:
+            return self.connector_scheduler.interval_stats()
+        return None
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        from kvcompose.stores.prefix.prom import PrefixStorePromMetrics
+
+        return PrefixStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ================================================================ scheduler
 
@@ -145,6 +165,10 @@ class PrefixStoreConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)
 
+    def take_events(self) -> list[Any]:
+        """BlockStored events (medium: the tier's) of chunks the workers wrote."""
+        return self.scheduler.take_events()
+
     def reset_cache(self) -> bool | None:
         """Delete every chunk file (``/reset_prefix_cache?reset_external``)."""
         return self.scheduler.reset_cache()
@@ -163,7 +187,10 @@ class PrefixStoreConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.connector_worker is not None:
-            self.connector_worker.begin_step()
+            meta = connector_metadata
+            self.connector_worker.begin_step(
+                meta if isinstance(meta, PrefixStoreMetadata) else None
+            )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if (meta := self._step_metadata()) is not None:
@@ -188,10 +215,26 @@ class PrefixStoreConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self.get_transfer_results(finished_req_ids)
-        return None, res.finished_recving or None
+        return res.finished_sending or None, res.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self.worker.transfer_results()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.block_ids_with_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        return self.worker.kv_cache_events()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self.worker.worker_meta()
+
+    def shutdown(self) -> None:
+        """Let the background writer finish what it queued."""
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+
+
+def _kv_events_on(vllm_config: VllmConfig) -> bool:
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))

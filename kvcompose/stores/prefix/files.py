@@ -14,12 +14,22 @@ import contextlib
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import torch
 
 FILE_SUFFIX = ".safetensors"
+
+
+class Occupancy(NamedTuple):
+    """What a store directory holds after an eviction pass, and what the pass deleted."""
+
+    chunks: int
+    bytes: int
+    evicted: int
+    #: Keys of the chunks deleted (this worker's files).
+    evicted_keys: tuple[str, ...] = ()
 
 
 def chunk_file_name(key: str, tag: str = "") -> str:
@@ -109,12 +119,12 @@ class ChunkFiles:
 
         Raises ``OSError`` (after removing the temporary file) when the write fails.
         """
-        import safetensors.torch
+        from kvcompose.stores.prefix.safetensors_io import write_safetensors
 
         final = self.file(key)
         tmp = os.path.join(self.path, f".{os.path.basename(final)}.{uuid.uuid4().hex}.tmp")
         try:
-            safetensors.torch.save_file(tensors, tmp, metadata=metadata)
+            write_safetensors(tmp, tensors, metadata)
             os.replace(tmp, final)
         except OSError:
             with contextlib.suppress(OSError):
@@ -129,23 +139,40 @@ class ChunkFiles:
         with contextlib.suppress(OSError):
             os.utime(path, ns=(self._last_touch_ns, self._last_touch_ns))
 
-    def evict(self, max_chunks: int) -> None:
-        """Delete the least recently written/loaded files beyond ``max_chunks``."""
+    def evict(self, max_chunks: int | None, max_bytes: int | None = None) -> Occupancy:
+        """Delete the least recently written/loaded files until at most ``max_chunks``
+        files and ``max_bytes`` bytes remain; returns what is left and what went.
+
+        Writes and loads touch a request's chunks in reverse prefix order, so a chain's
+        first chunks carry the newest mtimes and are the last to go.
+        """
         entries = []
         for entry in os.scandir(self.path):
             if not is_chunk_file(entry.name):
                 continue
             try:
-                entries.append((entry.stat().st_mtime_ns, entry.path))
+                st = entry.stat()
             except FileNotFoundError:
                 continue
-        excess = len(entries) - max_chunks
-        if excess <= 0:
-            return
+            entries.append((st.st_mtime_ns, st.st_size, entry.path))
         entries.sort()
-        for _, path in entries[:excess]:
+        files = len(entries)
+        nbytes = sum(e[1] for e in entries)
+        evicted = 0
+        keys: list[str] = []
+        for _, size, path in entries:
+            over_chunks = max_chunks is not None and files > max_chunks
+            over_bytes = max_bytes is not None and nbytes > max_bytes
+            if not (over_chunks or over_bytes):
+                break
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+            files -= 1
+            nbytes -= size
+            evicted += 1
+            name = os.path.basename(path)[: -len(FILE_SUFFIX)]
+            keys.append(name[: -len(self.tag)] if self.tag and name.endswith(self.tag) else name)
+        return Occupancy(files, nbytes, evicted, tuple(keys))
 
     def clear(self) -> None:
         """Delete every chunk file (temporary files of writes in progress stay)."""

@@ -8,8 +8,12 @@ two halves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass
@@ -50,11 +54,33 @@ class SaveSpec:
     block_ids: list[int]
     num_tokens: int
     req_id: str
+    #: The ``BlockStored`` KV cache event to publish once written (None: events off).
+    event: Any = None
 
 
 @dataclass
 class PrefixStoreMetadata(KVConnectorMetadata):
-    """One step's loads and saves (saves in prefix order)."""
+    """One step's loads and saves (saves in prefix order), and, for the background writer,
+    the requests whose blocks are held until their saves are written (``finished_saves``)
+    and the requests whose blocks were freed by a preemption (``preempted``)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    finished_saves: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StoreWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker to scheduler: background writes finished since the last step, by key."""
+
+    written: set[str] = field(default_factory=set)
+    dropped: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> StoreWorkerMeta:
+        # Several workers: a chunk counts as written once every worker wrote its file
+        # (lookups check the files then); any worker's drop withdraws the offer.
+        if isinstance(other, StoreWorkerMeta):
+            self.written |= other.written
+            self.dropped |= other.dropped
+        return self

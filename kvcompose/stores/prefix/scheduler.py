@@ -12,8 +12,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvcompose.stores.prefix.admission import AdmissionRule, FrequencySketch
 from kvcompose.stores.prefix.keys import chunk_keys, lookup_limit_chunks, request_salt
-from kvcompose.stores.prefix.metadata import ChunkLoad, LoadSpec, PrefixStoreMetadata, SaveSpec
+from kvcompose.stores.prefix.metadata import (
+    ChunkLoad,
+    LoadSpec,
+    PrefixStoreMetadata,
+    SaveSpec,
+    StoreWorkerMeta,
+)
+from kvcompose.stores.prefix.stats import PrefixStoreStats
+from kvcompose.stores.prefix.tier import StoreKVEvents
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -44,6 +53,10 @@ class _ReqState:
     #: Index of the next prompt chunk not yet considered for saving.
     next_save_chunk: int = 0
     keys: list[str] | None = None
+    #: Tokens [local_hit, first_computed) were loaded by some tier when the request was
+    #: first scheduled (this store's own loads are stored here already): promotion range.
+    local_hit: int | None = None
+    first_computed: int | None = None
 
 
 class PrefixStoreScheduler:
@@ -58,6 +71,7 @@ class PrefixStoreScheduler:
         salt: str,
         loads_enabled: bool,
         saves_enabled: bool,
+        event_medium: str | None = None,
     ) -> None:
         self.config = config
         self.files = files
@@ -70,6 +84,8 @@ class PrefixStoreScheduler:
         self._reqs: dict[str, _ReqState] = {}
         #: Where the local prefix-cache hit ends, from the last lookup (places the load).
         self._lookup_local: dict[str, int] = {}
+        #: Where the local hit ends, from every lookup (promote only).
+        self._local_hit: dict[str, int] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
         #: Requests whose async load failed: not offered the store again.
         self._no_store_reqs: set[str] = set()
@@ -77,6 +93,24 @@ class PrefixStoreScheduler:
         self._inflight_saves: dict[str, int] = {}
         self._step = 0
         self._warned_untracked = False
+        #: Background saves: requests with saves planned (their blocks are held when they
+        #: finish), and the finished ones the next step's metadata tells the worker about.
+        self.background = config.save_mode == "background"
+        self._saving_reqs: set[str] = set()
+        self._finished_saves: list[str] = []
+        #: Chunks queued for the background writer and not yet reported written or dropped:
+        #: offered to lookups (the worker copies them from the held blocks).
+        self._queued: set[str] = set()
+        self.admission = AdmissionRule(
+            config.admit_min_prompt_tokens, config.admit_min_seen, config.promote
+        )
+        self._sketch = FrequencySketch() if config.admit_min_seen > 1 else None
+        #: Admits, rejects and promotions since the last stats collection, and since start.
+        self.stats = PrefixStoreStats()
+        self.total_stats = PrefixStoreStats()
+        #: ``medium`` of the BlockStored events the workers publish (None: no events).
+        self.event_medium = event_medium
+        self._events: list[Any] = []
 
     # ----------------------------------------------------------------------- lookup
 
@@ -96,8 +130,9 @@ class PrefixStoreScheduler:
             return 0
         limit = lookup_limit_chunks(len(request.prompt_token_ids or []), self.chunk_tokens)
         n = 0
+        queued = self._queued
         for key in self._prompt_keys(request, salt)[:limit]:
-            if not self.files.stored(key):
+            if key not in queued and not self.files.stored(key):
                 break
             n += 1
         return n
@@ -105,6 +140,8 @@ class PrefixStoreScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self.admission.promote:
+            self._local_hit[request.request_id] = num_computed_tokens
         if not self.loads_enabled or request.request_id in self._no_store_reqs:
             return 0, False
         matched = self.stored_prefix_chunks(request) * self.chunk_tokens
@@ -128,7 +165,11 @@ class PrefixStoreScheduler:
             if state is None or state.request is not request or state.salt != salt:
                 state = _ReqState(request=request, salt=salt)
                 self._reqs[req_id] = state
+                if self._sketch is not None and self.saves_enabled:
+                    self._sketch.add_all(self._prompt_keys(request, salt))
             state.block_ids = block_ids
+            if req_id in self._local_hit:
+                state.local_hit = self._local_hit.pop(req_id)
         local = self._lookup_local.pop(req_id, None)
         if num_external_tokens <= 0 or salt is None or state is None:
             return
@@ -174,6 +215,9 @@ class PrefixStoreScheduler:
         self._pending_loads.clear()
         if self.saves_enabled:
             self._plan_saves(scheduler_output, meta)
+        if self.background:
+            meta.finished_saves, self._finished_saves = self._finished_saves, []
+            meta.preempted = list(getattr(scheduler_output, "preempted_req_ids", None) or ())
         # Forget planned saves old enough to have been written (or lost).
         for key in [
             k for k, s in self._inflight_saves.items() if self._step - s > INFLIGHT_SAVE_STEPS
@@ -188,6 +232,8 @@ class PrefixStoreScheduler:
             state = self._reqs.get(new_req.req_id)
             if state is not None:
                 state.block_ids = list(new_req.block_ids[0]) if new_req.block_ids else []
+                if state.first_computed is None:
+                    state.first_computed = new_req.num_computed_tokens
             self._consider_saves(so, meta, planned, new_req.req_id, new_req.num_computed_tokens)
 
         cached = so.scheduled_cached_reqs
@@ -231,18 +277,77 @@ class PrefixStoreScheduler:
         cb = self.config.chunk_blocks
         for idx in range(state.next_save_chunk, n_full):
             key = keys[idx]
-            if key in planned or key in self._inflight_saves or self.files.stored(key):
+            if (
+                key in planned
+                or key in self._inflight_saves
+                or key in self._queued
+                or self.files.stored(key)
+            ):
                 continue
             blocks = state.block_ids[idx * cb : (idx + 1) * cb]
             if len(blocks) < cb:
                 break
+            if not self._admit(state, idx, key, len(prompt)):
+                continue
             planned.add(key)
             self._inflight_saves[key] = self._step
+            if self.background:
+                self._saving_reqs.add(req_id)
+                self._queued.add(key)
             meta.saves.append(
                 SaveSpec(key=key, block_ids=list(blocks), num_tokens=self.chunk_tokens,
-                         req_id=req_id)
+                         req_id=req_id, event=self._stored_event(state, idx))
             )  # fmt: skip
         state.next_save_chunk = n_full
+
+    def _admit(self, state: _ReqState, idx: int, key: str, prompt_len: int) -> bool:
+        """Whether chunk ``idx`` (not stored here) may be saved; counted."""
+        rule = self.admission
+        c = self.chunk_tokens
+        if (
+            rule.promote
+            and state.local_hit is not None
+            and state.first_computed is not None
+            and idx * c >= state.local_hit
+            and (idx + 1) * c <= state.first_computed
+        ):
+            self._count(promotions=1)
+            return True
+        if rule.everything:
+            return True
+        ok = prompt_len >= rule.min_prompt_tokens and (
+            self._sketch is None or self._sketch.count(key) >= rule.min_seen
+        )
+        self._count(**{"admits" if ok else "rejects": 1})
+        return ok
+
+    def _count(self, **counts: int) -> None:
+        self.stats.add(**counts)
+        self.total_stats.add(**counts)
+
+    def _stored_event(self, state: _ReqState, idx: int) -> Any:
+        """The ``BlockStored`` event the worker publishes once chunk ``idx`` is written."""
+        if self.event_medium is None:
+            return None
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        request = state.request
+        cb = self.config.chunk_blocks
+        hashes = list(getattr(request, "block_hashes", None) or ())
+        first, last = idx * cb, (idx + 1) * cb
+        if len(hashes) < last:
+            return None
+        lora = getattr(request, "lora_request", None)
+        return BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:last]],
+            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
+            token_ids=list(request.all_token_ids[first * self.block_size : last * self.block_size]),
+            block_size=self.block_size,
+            lora_id=lora.adapter_id if lora else None,
+            medium=self.event_medium,
+            lora_name=lora.name if lora else None,
+        )
 
     # ---------------------------------------------------------------- bookkeeping
 
@@ -251,14 +356,41 @@ class PrefixStoreScheduler:
         # "recompute" policy vLLM looks it up once more).
         failed = getattr(connector_output, "failed_recving", None) or ()
         self._no_store_reqs.update(failed)
+        outcome = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(outcome, StoreWorkerMeta):
+            self._queued -= outcome.written
+            self._queued -= outcome.dropped
+        events = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(events, StoreKVEvents):
+            self._events.extend(events.aggregate().get_all_events())
+
+    def take_events(self) -> list[Any]:
+        """The BlockStored events of chunks written since the last call."""
+        out, self._events = self._events, []
+        return out
+
+    def interval_stats(self) -> PrefixStoreStats | None:
+        """Admission counters since the last call (then reset), or None."""
+        if self.stats.is_empty():
+            return None
+        out = PrefixStoreStats(data=self.stats.snapshot())
+        self.stats.reset()
+        return out
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; saves are synchronous, so its blocks are never held."""
+        """Forget the request. Synchronous saves never hold its blocks; with background
+        saves, a request that had saves planned keeps its blocks (``True``) until the
+        worker reports it in ``finished_sending``, once its chunks are written."""
         req_id = request.request_id
         self._reqs.pop(req_id, None)
         self._lookup_local.pop(req_id, None)
+        self._local_hit.pop(req_id, None)
         self._no_store_reqs.discard(req_id)
         self._pending_loads.pop(req_id, None)
+        if req_id in self._saving_reqs:
+            self._saving_reqs.discard(req_id)
+            self._finished_saves.append(req_id)
+            return True, None
         return False, None
 
     def reset_cache(self) -> bool:
@@ -267,4 +399,5 @@ class PrefixStoreScheduler:
             return False
         self.files.clear()
         self._inflight_saves.clear()
+        self._queued.clear()
         return True

@@ -21,7 +21,16 @@ STAT_KEYS: tuple[str, ...] = (
     "load_failures",
     "load_time_s",
     "save_time_s",
+    "saves_dropped",
+    "evictions",
+    "admits",
+    "rejects",
+    "promotions",
+    "occupancy_chunks",
+    "occupancy_bytes",
 )
+#: Levels, not counts: combining two intervals keeps the later non-zero value.
+GAUGE_KEYS: frozenset[str] = frozenset({"occupancy_chunks", "occupancy_bytes"})
 
 
 def _zero_stats() -> dict[str, int | float]:
@@ -44,9 +53,18 @@ class PrefixStoreStats(KVConnectorStats):
         for k, v in counts.items():
             self.data[k] = self.data.get(k, 0) + v
 
+    def set_level(self, **levels: int) -> None:
+        """Record gauges (``occupancy_*``): the latest value, not a sum."""
+        self.data.update(levels)
+
     def aggregate(self, other: KVConnectorStats) -> PrefixStoreStats:
         for k, v in (other.data or {}).items():
-            if isinstance(v, int | float):
+            if not isinstance(v, int | float):
+                continue
+            if k in GAUGE_KEYS:
+                if v:
+                    self.data[k] = v
+            else:
                 self.data[k] = self.data.get(k, 0) + v
         return self
 

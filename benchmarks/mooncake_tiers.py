@@ -1,0 +1,290 @@
+"""The Mooncake conversation trace through a small fast tier and a larger slow tier
+(issue 14): recompute, the slow tier alone, fast + slow ``first`` and ``longest``, with
+admission, with promotion, with both.
+
+**Scaling to two cores.** The trace has 12,031 requests over an hour; every request starts
+with the same block (hash id 0), and the rest of its reuse comes from earlier turns of the
+same conversation, minutes apart, so a short time window of the trace has almost no reuse
+beyond block 0 (requests 2000-2040: all reuse is of blocks first seen before the window).
+This script samples whole *conversations* instead: requests are grouped by the hash ids
+they share (block 0, shared by all, aside), groups of at least two requests are drawn with
+a fixed seed until ``--requests`` requests are taken, and those requests are replayed in
+trace order, one every ``--gap`` seconds (the trace's minutes between turns compressed).
+Lengths scale by 64/512 (each 512-token trace block becomes 64 seeded token ids, prompts cut
+at 2,048 tokens, prefix kept), outputs by 0.05 (1..16 tokens). The reuse ceiling is
+computed for the sample itself: tokens of each prompt's leading blocks seen in an earlier
+sampled prompt (an infinite cache that starts empty), rounded down to whole 128-token
+chunks inside ``prompt[:-1]`` (what a store can serve).
+
+**Tiers.** ``fast``: a PrefixStoreConnector on tmpfs with ``max_bytes`` set to a fifth of the
+sample's working set (its distinct chunks); ``slow``: one on disk, unbounded. Both save in
+the background (``save_mode: background``); ``longest-sync`` is plain ``longest`` with the
+stores writing in the engine step, for comparison. Admission: ``admit_min_seen: 2``.
+Promotion: ``promote: true`` on the fast tier.
+
+Run: ``flock /tmp/kvcompose-engine.lock .venv/bin/python benchmarks/mooncake_tiers.py``
+(about 10 minutes on 2 cores); results (the bench's report plus ``sample.json`` and
+``summary.md``) go to ``benchmarks/results/mooncake_tiers/``. The synthetic trace:
+``--trace .../synthetic_trace.jsonl --gap 2.0 --out benchmarks/results/mooncake_tiers_synthetic``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TRACE = Path("/work/shared/data/mooncake-traces/conversation_trace.jsonl")
+OUT = HERE / "results" / "mooncake_tiers"
+BLOCK_TOKENS = 64
+CHUNK_TOKENS = 128  # the bench engine's block size; one store chunk per block
+MAX_PROMPT = 2048
+KV_BYTES_PER_TOKEN = 32 * 1024  # the built-in bench model (8 layers, 8 KV heads of 64, fp32)
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def conversations(rows: list[dict[str, Any]]) -> list[list[int]]:
+    """Groups of request indices linked by shared hash ids (ids in most requests aside)."""
+    parent = list(range(len(rows)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    counts: dict[int, int] = {}
+    for r in rows:
+        for h in set(r["hash_ids"]):
+            counts[h] = counts.get(h, 0) + 1
+    common = {h for h, n in counts.items() if n > len(rows) // 2}
+    owner: dict[int, int] = {}
+    for i, r in enumerate(rows):
+        for h in r["hash_ids"]:
+            if h in common:
+                continue
+            j = owner.setdefault(h, i)
+            if j != i:
+                parent[find(i)] = find(j)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(rows)):
+        groups.setdefault(find(i), []).append(i)
+    return list(groups.values())
+
+
+def sample(rows: list[dict[str, Any]], n: int, seed: int) -> list[int]:
+    groups = [g for g in conversations(rows) if len(g) >= 2]
+    rng = random.Random(seed)
+    rng.shuffle(groups)
+    chosen: list[int] = []
+    for g in groups:
+        if len(chosen) >= n:
+            break
+        if len(g) > n // 3:  # keep the sample from being one long conversation
+            continue
+        chosen.extend(g)
+    return sorted(chosen[: max(n, 0)] if len(chosen) <= n else chosen)
+
+
+def token_block(h: int, seed: int) -> list[int]:
+    from kvcompose.bench.workloads import token_block as tb
+
+    return tb(f"mc{h}", BLOCK_TOKENS, vocab_size=1024, seed=seed)
+
+
+def build(args: argparse.Namespace) -> dict[str, Any]:
+    rows = read(args.trace)
+    picked = sample(rows, args.requests, args.seed)
+    lines: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    chunks_seen: set[tuple[int, ...]] = set()
+    ceiling_tokens = prompt_tokens = blocks = reused_blocks = 0
+    for rank, i in enumerate(picked):
+        r = rows[i]
+        hash_ids = [int(h) for h in r["hash_ids"]]
+        n = max(1, round(int(r["input_length"]) * BLOCK_TOKENS / 512))
+        n = min(n, MAX_PROMPT, len(hash_ids) * BLOCK_TOKENS)
+        used = hash_ids[: (n + BLOCK_TOKENS - 1) // BLOCK_TOKENS]
+        lead = 0
+        for h in used:
+            if h not in seen:
+                break
+            lead += 1
+        blocks += len(used)
+        reused_blocks += sum(1 for h in used if h in seen)
+        shared = min(lead * BLOCK_TOKENS, n - 1)
+        ceiling_tokens += shared // CHUNK_TOKENS * CHUNK_TOKENS
+        per_chunk = CHUNK_TOKENS // BLOCK_TOKENS
+        for c in range(n // CHUNK_TOKENS):
+            chunks_seen.add(tuple(used[: (c + 1) * per_chunk]))
+        seen.update(used)
+        prompt = [t for h in used for t in token_block(h, args.seed)][:n]
+        prompt_tokens += n
+        out = max(1, min(round(int(r.get("output_length", 1)) * 0.05), 16))
+        lines.append(
+            {
+                "id": f"mc{i}",
+                "arrival_s": round(rank * args.gap, 3),
+                "prompt_token_ids": prompt,
+                "max_tokens": out,
+                "trace_index": i,
+            }
+        )
+    working_set = len(chunks_seen) * CHUNK_TOKENS * KV_BYTES_PER_TOKEN
+    info = {
+        "trace": str(args.trace),
+        "seed": args.seed,
+        "requests": len(lines),
+        "trace_indices": picked,
+        "gap_s": args.gap,
+        "prompt_tokens": prompt_tokens,
+        "blocks": blocks,
+        "block_reuse_percent": round(100 * reused_blocks / max(blocks, 1), 1),
+        "ceiling_hit_tokens": ceiling_tokens,
+        "ceiling_percent_of_prompt_tokens": round(100 * ceiling_tokens / max(prompt_tokens, 1), 1),
+        "working_set_chunks": len(chunks_seen),
+        "working_set_bytes": working_set,
+        "fast_max_bytes": working_set // 5,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "trace.jsonl", "w", encoding="utf-8") as fh:
+        for line in lines:
+            fh.write(json.dumps(line) + "\n")
+    (args.out / "sample.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def leaf(name: str, path: str, **extra: Any) -> str:
+    body = ", ".join([f'path: "{path}"', *(f"{k}: {json.dumps(v)}" for k, v in extra.items())])
+    return (
+        f"      - leaf:\n          name: {name}\n          connector: PrefixStoreConnector\n"
+        f"          module_path: kvcompose.stores\n          extra_config: {{{body}}}\n"
+    )
+
+
+def chain(policy: str, fast: dict[str, Any], slow: dict[str, Any]) -> str:
+    return (
+        "version: 1\nkv_role: kv_both\ntree:\n  chain:\n    name: tiers\n"
+        f"    policy: {policy}\n    children:\n"
+        + leaf("fast", "{tmpfs:fast}", **fast)
+        + leaf("slow", "{store:slow}", **slow)
+    )
+
+
+def contenders(info: dict[str, Any], out: Path) -> list[str]:
+    cap = info["fast_max_bytes"]
+    bg = {"save_mode": "background"}
+    fast = {"medium": "tmpfs", "max_bytes": cap, **bg}
+    slow = {"medium": "disk", **bg}
+    files = {
+        "slow": "version: 1\nkv_role: kv_both\ntree:\n  chain:\n    name: tiers\n"
+        "    children:\n" + leaf("slow", "{store:slow}", **slow),
+        "first": chain("first", fast, slow),
+        "longest": chain("longest", fast, slow),
+        "longest-sync": chain("longest", {"medium": "tmpfs", "max_bytes": cap}, {"medium": "disk"}),
+        "admission": chain("longest", {**fast, "admit_min_seen": 2}, slow),
+        "promotion": chain("longest", {**fast, "promote": True}, slow),
+        "both": chain("longest", {**fast, "admit_min_seen": 2, "promote": True}, slow),
+    }
+    cdir = out / "contenders"
+    cdir.mkdir(parents=True, exist_ok=True)
+    specs = ["recompute=none"]
+    for label, text in files.items():
+        path = cdir / f"{label}.yaml"
+        path.write_text(text)
+        specs.append(f"{label}={path}")
+    return specs
+
+
+def summarize(out: Path) -> str:
+    """The per-configuration table from the bench's ``results.json`` and ``sample.json``."""
+    info = json.loads((out / "sample.json").read_text())
+    results = json.loads((out / "bench" / "results.json").read_text())
+    ceiling = info["ceiling_hit_tokens"]
+    rows = [
+        f"Sample: {info['requests']} requests, {info['prompt_tokens']:,} prompt tokens, "
+        f"one every {info['gap_s']} s; reuse ceiling {ceiling:,} hit tokens "
+        f"({info['ceiling_percent_of_prompt_tokens']} % of prompt tokens; "
+        f"{info['block_reuse_percent']} % of trace blocks); working set "
+        f"{info['working_set_bytes'] / 2**20:.0f} MiB, fast tier capped at "
+        f"{info['fast_max_bytes'] / 2**20:.0f} MiB.",
+        "",
+        "| configuration | TTFT p50 ms | p90 ms | vs recompute | hit tokens fast | slow "
+        "| % of ceiling | MiB written fast | slow | agree % |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in results["contenders"]:
+        lat = c["latency"]
+        stores = (c.get("hits") or {}).get("stores") or {}
+        fast = stores.get("fast", {})
+        slow = stores.get("slow", {})
+        hit = sum(s.get("tokens_loaded", 0) for s in stores.values())
+        agree = (c.get("agreement") or {}).get("percent")
+        rows.append(
+            f"| {c['label']} | {lat['ttft_p50_s'] * 1e3:,.0f} | {lat['ttft_p90_s'] * 1e3:,.0f} "
+            f"| {c.get('ttft_p50_speedup') or 1.0:.1f}x "
+            f"| {fast.get('tokens_loaded', 0):,} | {slow.get('tokens_loaded', 0):,} "
+            f"| {100 * hit / ceiling:.0f} % "
+            f"| {fast.get('bytes_written', 0) / 2**20:,.0f} "
+            f"| {slow.get('bytes_written', 0) / 2**20:,.0f} | {agree} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gap", type=float, default=1.5, help="seconds between arrivals")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--only", help="comma-separated configurations to run (recompute kept)")
+    ap.add_argument("--summarize", action="store_true", help="only print the summary table")
+    ap.add_argument("bench_args", nargs="*", help="extra kvcompose bench arguments")
+    args = ap.parse_args()
+    if args.summarize:
+        table = summarize(args.out)
+        (args.out / "summary.md").write_text(table + "\n")
+        print(table)
+        return
+    info = build(args)
+    print(json.dumps({k: v for k, v in info.items() if k != "trace_indices"}, indent=2))
+    specs = contenders(info, args.out)
+    if args.only:
+        keep = {"recompute", *args.only.split(",")}
+        specs = [spec for spec in specs if spec.split("=", 1)[0] in keep]
+    if args.build_only:
+        return
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvcompose.cli",
+        "bench",
+        "--workload",
+        str(args.out / "trace.jsonl"),
+    ]
+    for spec in specs:
+        cmd += ["-c", spec]
+    cmd += ["--out", str(args.out / "bench"), "--repeats", "1", *args.bench_args]
+    print(" ".join(cmd), flush=True)
+    rc = subprocess.call(cmd, cwd=ROOT)
+    if rc == 0:
+        table = summarize(args.out)
+        (args.out / "summary.md").write_text(table + "\n")
+        print(table)
+    raise SystemExit(rc)
+
+
+if __name__ == "__main__":
+    main()
