@@ -174,6 +174,7 @@ class CompositeConnector(KVConnectorBase_V1):
                 vllm_config,
                 base_hit_sources=super().get_external_cache_hit_sources,
                 base_group_ids=super().get_loaded_kv_cache_group_ids,
+                num_kv_groups=len(kv_cache_config.kv_cache_groups) if kv_cache_config else 1,
             )
             self._bind_members("scheduler_side")
             self.get_finished_count()  # refuse to start on a conflict
