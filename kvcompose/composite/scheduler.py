@@ -26,7 +26,7 @@ from kvcompose.composite import segments as seg
 from kvcompose.composite import stitch
 from kvcompose.composite.children import Children
 from kvcompose.composite.forwarding import SchedulerForwarding
-from kvcompose.composite.ledger import Finishes, Ledger, LoadRecord, LoadState, Signal
+from kvcompose.composite.ledger import Finishes, Ledger, LoadState, Signal
 from kvcompose.composite.metadata import (
     ComposedKVEvents,
     ComposedWorkerMeta,
@@ -74,13 +74,13 @@ class CompositeScheduler(SchedulerForwarding):
         fixed = not isinstance(self.policy, RouteLookup)
         self._fixed_candidates = self.policy.candidates(None) if fixed else None  # type: ignore[arg-type]
         self._lookup_timeout_s = tree.lookup_timeout_s
-        self._debug = logger.isEnabledFor(logging.DEBUG)  # refreshed every step
+        self.debug = logger.isEnabledFor(logging.DEBUG)  # refreshed every step
         self._block_size = self.block_size = vllm_config.cache_config.block_size
         self._stitching = self.policy.mode == "stitch"
         self.range_supports = stitch.child_range_supports(tree)
         # vLLM refuses invalid block ids on models with several KV cache groups
         self._block_level_failures = num_kv_groups <= 1
-        self._base_hit_sources = base_hit_sources
+        self._base_hit_sources = self.base_hit_sources = base_hit_sources
         self._base_group_ids = base_group_ids
         connectors = children.connectors
         self.divergent_hits = bool(connectors) and all(
@@ -92,8 +92,8 @@ class CompositeScheduler(SchedulerForwarding):
         self._step_loads: dict[str, int] = {}
         self._step_sync_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._step_sends: dict[str, tuple[int, ...]] = {}
-        self._step_stitches: dict[str, StitchLoad] = {}
-        self._step_sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = {}
+        self.step_stitches: dict[str, StitchLoad] = {}
+        self.step_sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = {}
         self.refresh_child_methods()
 
     def refresh_child_methods(self) -> None:
@@ -156,11 +156,11 @@ class CompositeScheduler(SchedulerForwarding):
             )
             excluded = record.excluded
         if self._stitching:
-            return self._stitch_lookup(request, num_computed_tokens, record, timed_out, excluded)
+            return stitch.lookup(self, request, num_computed_tokens, record, timed_out, excluded)
         candidates = self._fixed_candidates or self.policy.candidates(request)
         longest = self._longest
         # what each child answered, kept only for the debug decision record
-        trace: list[str] | None = [] if self._debug else None
+        trace: list[str] | None = [] if self.debug else None
         best: tuple[int, int, bool] | None = None  # (child, tokens, async)
         pending = False
         timeouts: list[int] = []
@@ -246,81 +246,13 @@ class CompositeScheduler(SchedulerForwarding):
             return result
         return self.guard.normalise_lookup(child, result)
 
-    def _stitch_lookup(
-        self,
-        request: Request,
-        local: int,
-        record: LoadRecord | None,
-        timed_out: bool,
-        excluded: frozenset[int],
-    ) -> tuple[int | None, bool]:
-        req_id = request.request_id
-        trace: list[str] | None = [] if self._debug else None
-        timeouts: list[int] = []
-        found = stitch.walk(self, request, local, excluded, timed_out, trace, timeouts)
-        if isinstance(found, stitch.Pending):
-            self.ledger.mark_pending(req_id, time.monotonic())
-            return None, False
-        for child in timeouts:
-            self.counters.lookup_timeout(child)
-        self.counters.lookup()
-        reason = "chain/stitch" + ("+deadline" if timeouts else "")
-        reason += "+fallback" if excluded else ""
-        for segment in found:
-            self.counters.hit(segment.child, segment.tokens)
-        if len(found) > 1:
-            decided = self.ledger.decide_stitch(req_id, found, reason, local)
-            tokens, is_async = decided.tokens, decided.is_async
-        else:  # one loader: an ordinary owned load
-            owner, tokens, is_async = (
-                (found[0].child, found[0].tokens, found[0].is_async) if found else (None, 0, False)
-            )
-            if owner is not None or record is not None:
-                self.ledger.decide(req_id, owner, tokens, is_async, reason, local)
-        if trace is not None:
-            logger.debug(
-                "kvcompose[%s] %s: asked [%s] → %s, %d tokens%s, by %s",
-                self.name,
-                req_id,
-                ", ".join(trace),
-                " + ".join(f"{self.children.names[s.child]}[{s.start},{s.end})" for s in found)
-                or "none",
-                tokens,
-                " async" if is_async else "",
-                reason,
-            )
-        return tokens, is_async
-
-    def _stitch_allocated(
-        self, record: LoadRecord, request: Request, blocks: KVCacheBlocks, n: int
-    ) -> None:
-        req_id = request.request_id
-        if n > 0 and record.state in (LoadState.LOADING, LoadState.LOADED):
-            seg.allocate(record.segments, list(blocks.get_block_ids()[0]), self._block_size)
-            stitch.allocate(self, record, request, blocks)
-            active = [s for s in record.segments if s.active]
-            sync = tuple((s.child, s.block_ids) for s in active if not s.is_async)
-            if sync:
-                self._step_sync_segments[req_id] = sync
-            if record.state is LoadState.LOADING:
-                self._step_stitches[req_id] = StitchLoad(
-                    tuple(s.child for s in active if s.is_async),
-                    {s.child: s.block_ids for s in active},
-                )
-            return
-        for i, alloc in enumerate(self._allocs):  # a 0 grant, or the second pass
-            try:
-                alloc(request, blocks, 0)
-            except Exception as exc:
-                self.guard.child_error(i, "update_state_after_alloc", exc)
-
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
         record = self.ledger.allocated(req_id, num_external_tokens)
         if record is not None and record.segments:
-            self._stitch_allocated(record, request, blocks, num_external_tokens)
+            stitch.allocated(self, record, request, blocks, num_external_tokens)
             return
         owner = record.owner if record is not None else None
         for i, alloc in enumerate(self._allocs):
@@ -351,19 +283,7 @@ class CompositeScheduler(SchedulerForwarding):
         record = self.ledger.get(request.request_id)
         default = self._base_hit_sources(request, num_external_tokens)
         if record is not None and record.segments:
-            merged: dict[Any, int] = {}  # each segment's child splits its own tokens
-            for s in record.segments:
-                if s.active:
-                    part = self.children.call(
-                        s.child,
-                        "get_external_cache_hit_sources",
-                        self._base_hit_sources(request, s.tokens),
-                        request,
-                        s.tokens,
-                    )
-                    for key, count in part.items():
-                        merged[key] = merged.get(key, 0) + count
-            return merged or default
+            return stitch.hit_sources(self, record, request) or default
         owner = None if record is None else record.owner
         if owner is None:
             return default
@@ -373,12 +293,8 @@ class CompositeScheduler(SchedulerForwarding):
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         record = self.ledger.get(request.request_id)
-        if record is not None and record.segments:  # the groups every segment restores
-            groups: set[int] | None = None
-            for child in record.loaders():
-                mine = set(self.children.connectors[child].get_loaded_kv_cache_group_ids(request))
-                groups = mine if groups is None else groups & mine
-            return tuple(sorted(groups or ()))
+        if record is not None and record.segments:
+            return stitch.group_ids(self, record, request)
         owner = None if record is None else record.owner
         if owner is None:
             return self._base_group_ids(request)
@@ -386,19 +302,19 @@ class CompositeScheduler(SchedulerForwarding):
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CompositeMetadata:
-        self._debug = logger.isEnabledFor(logging.DEBUG)
+        self.debug = logger.isEnabledFor(logging.DEBUG)
         children = tuple(c.build_connector_meta(scheduler_output) for c in self._connectors)
         metadata = CompositeMetadata(
             children,
             self._step_loads,
             self._step_sync_loads,
             self._step_sends,
-            self._step_stitches,
-            self._step_sync_segments,
+            self.step_stitches,
+            self.step_sync_segments,
             self._block_level_failures,
         )
         self._step_loads, self._step_sync_loads, self._step_sends = {}, {}, {}
-        self._step_stitches, self._step_sync_segments = {}, {}
+        self.step_stitches, self.step_sync_segments = {}, {}
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -19,10 +19,15 @@ async segment). A child still answering ``None`` holds the decision, as in ``fir
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+import time
+from typing import TYPE_CHECKING, Any
 
 from kvcompose import tree as nodes
+from kvcompose.composite.ledger import LoadState
+from kvcompose.composite.metadata import StitchLoad
 from kvcompose.composite.segments import Segment, block_view
+from kvcompose.composite.segments import allocate as allocate_segments
 from kvcompose.tree.ranges import RangeSupport, known_range_support
 
 if TYPE_CHECKING:
@@ -31,6 +36,8 @@ if TYPE_CHECKING:
 
     from kvcompose.composite.ledger import LoadRecord
     from kvcompose.composite.scheduler import CompositeScheduler
+
+logger = logging.getLogger("kvcompose")
 
 
 def child_range_supports(tree: nodes.Composite) -> tuple[RangeSupport, ...]:
@@ -113,7 +120,7 @@ def walk(
     return tuple(segments)
 
 
-def allocate(
+def tell_children(
     sched: CompositeScheduler,
     record: LoadRecord,
     request: Request,
@@ -134,3 +141,96 @@ def allocate(
         if segment.mode == "last_segment" and segment.start > record.local_tokens:
             shown = block_view(blocks, segment.start // sched.block_size)
         alloc(request, shown, segment.tokens)  # a load the scheduler counts: errors go up
+
+
+def lookup(
+    sched: CompositeScheduler,
+    request: Request,
+    local: int,
+    record: LoadRecord | None,
+    timed_out: bool,
+    excluded: frozenset[int],
+) -> tuple[int | None, bool]:
+    req_id = request.request_id
+    trace: list[str] | None = [] if sched.debug else None
+    timeouts: list[int] = []
+    found = walk(sched, request, local, excluded, timed_out, trace, timeouts)
+    if isinstance(found, Pending):
+        sched.ledger.mark_pending(req_id, time.monotonic())
+        return None, False
+    for child in timeouts:
+        sched.counters.lookup_timeout(child)
+    sched.counters.lookup()
+    reason = "chain/stitch" + ("+deadline" if timeouts else "")
+    reason += "+fallback" if excluded else ""
+    for segment in found:
+        sched.counters.hit(segment.child, segment.tokens)
+    if len(found) > 1:
+        decided = sched.ledger.decide_stitch(req_id, found, reason, local)
+        tokens, is_async = decided.tokens, decided.is_async
+    else:  # one loader: an ordinary owned load
+        owner, tokens, is_async = (
+            (found[0].child, found[0].tokens, found[0].is_async) if found else (None, 0, False)
+        )
+        if owner is not None or record is not None:
+            sched.ledger.decide(req_id, owner, tokens, is_async, reason, local)
+    if trace is not None:
+        logger.debug(
+            "kvcompose[%s] %s: asked [%s] → %s, %d tokens%s, by %s",
+            sched.name,
+            req_id,
+            ", ".join(trace),
+            " + ".join(f"{sched.children.names[s.child]}[{s.start},{s.end})" for s in found)
+            or "none",
+            tokens,
+            " async" if is_async else "",
+            reason,
+        )
+    return tokens, is_async
+
+
+def allocated(
+    sched: CompositeScheduler, record: LoadRecord, request: Request, blocks: KVCacheBlocks, n: int
+) -> None:
+    req_id = request.request_id
+    if n > 0 and record.state in (LoadState.LOADING, LoadState.LOADED):
+        allocate_segments(record.segments, list(blocks.get_block_ids()[0]), sched.block_size)
+        tell_children(sched, record, request, blocks)
+        active = [s for s in record.segments if s.active]
+        sync = tuple((s.child, s.block_ids) for s in active if not s.is_async)
+        if sync:
+            sched.step_sync_segments[req_id] = sync
+        if record.state is LoadState.LOADING:
+            sched.step_stitches[req_id] = StitchLoad(
+                tuple(s.child for s in active if s.is_async),
+                {s.child: s.block_ids for s in active},
+            )
+        return
+    for i, alloc in enumerate(sched.allocs):  # a 0 grant, or the second pass
+        try:
+            alloc(request, blocks, 0)
+        except Exception as exc:
+            sched.guard.child_error(i, "update_state_after_alloc", exc)
+
+
+def hit_sources(sched: CompositeScheduler, record: LoadRecord, request: Request) -> dict[Any, int]:
+    """Each segment's child splits its own tokens by tier; the splits are summed."""
+    merged: dict[Any, int] = {}
+    for s in record.segments:
+        if s.active:
+            default = sched.base_hit_sources(request, s.tokens)
+            part = sched.children.call(
+                s.child, "get_external_cache_hit_sources", default, request, s.tokens
+            )
+            for key, count in part.items():
+                merged[key] = merged.get(key, 0) + count
+    return merged
+
+
+def group_ids(sched: CompositeScheduler, record: LoadRecord, request: Request) -> tuple[int, ...]:
+    """The KV cache groups every segment's child restores."""
+    groups: set[int] | None = None
+    for child in record.loaders():
+        mine = set(sched.children.connectors[child].get_loaded_kv_cache_group_ids(request))
+        groups = mine if groups is None else groups & mine
+    return tuple(sorted(groups or ()))
