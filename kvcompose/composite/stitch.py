@@ -137,6 +137,9 @@ def tell_children(
             except Exception as exc:
                 sched.guard.child_error(i, "update_state_after_alloc", exc)
             continue
+        set_range = getattr(sched.children.connectors[i], "set_load_range", None)
+        if set_range is not None:  # a child that takes its range explicitly
+            set_range(request.request_id, segment.start, segment.end)
         shown = blocks
         if segment.mode == "last_segment" and segment.start > record.local_tokens:
             shown = block_view(blocks, segment.start // sched.block_size)
