@@ -218,7 +218,7 @@ class Ledger:
             )
         if record.segments:
             try:
-                seg.recut(record.segments, record.local_tokens, num_external_tokens)
+                seg.grant(record.segments, record.local_tokens, num_external_tokens)
             except SegmentError as exc:
                 raise LedgerError(f"request {req_id}: {exc}") from None
             # vLLM parks the request whenever it granted tokens of an async answer, even

@@ -4,7 +4,7 @@ A stitched load (``chain`` with ``policy: stitch``) reads one request's KV from 
 children, each its own token range. The scheduler half records one ``Segment`` per child that
 loads, in the request's ``LoadRecord`` (``kvcompose.composite.ledger``)::
 
-                  alloc: whole grant                        own receive
+                  alloc: in the grant                       the receive
     PLANNED ──┬──────────────────────────▶ LOADING (async) ──┬──────────▶ LOADED
               │  (cut to the grant's end                      └─ failed ─▶ FAILED
               │   when it straddles it)     LOADED (sync)
@@ -68,9 +68,10 @@ class Segment:
         }
 
 
-def recut(segments: tuple[Segment, ...], local: int, granted: int) -> None:
+def grant(segments: tuple[Segment, ...], local: int, granted: int) -> None:
     """vLLM granted ``granted`` of the promised tokens after ``local``: segments past the
-    grant's end are dropped and the one straddling it is cut (if it can be)."""
+    grant's end are dropped, the one straddling it is cut (if it can be), and the others
+    start loading."""
     limit = local + granted
     for seg in segments:
         if seg.state is not SegmentState.PLANNED:
@@ -85,17 +86,16 @@ def recut(segments: tuple[Segment, ...], local: int, granted: int) -> None:
                     "be cut short; do not stitch such a child where vLLM rounds grants"
                 )
             seg.end = limit
-
-
-def allocate(segments: tuple[Segment, ...], block_ids: list[int], block_size: int) -> None:
-    """The grant is in: active segments start loading into their blocks."""
     for seg in segments:
-        if not seg.active:
-            continue
-        first = seg.start // block_size
-        last = -(-seg.end // block_size)
-        seg.block_ids = tuple(block_ids[first:last])
-        seg.state = SegmentState.LOADING if seg.is_async else SegmentState.LOADED
+        if seg.active:
+            seg.state = SegmentState.LOADING if seg.is_async else SegmentState.LOADED
+
+
+def place(segments: tuple[Segment, ...], block_ids: list[int], block_size: int) -> None:
+    """Record the blocks each active segment writes (group 0)."""
+    for seg in segments:
+        if seg.active:
+            seg.block_ids = tuple(block_ids[seg.start // block_size : -(-seg.end // block_size)])
 
 
 def received(segments: tuple[Segment, ...], child: int, failed: bool) -> bool:

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Any
 from kvcompose import tree as nodes
 from kvcompose.composite.ledger import LoadState
 from kvcompose.composite.metadata import StitchLoad
-from kvcompose.composite.segments import Segment, block_view
-from kvcompose.composite.segments import allocate as allocate_segments
+from kvcompose.composite.segments import Segment, block_view, place
 from kvcompose.tree.ranges import RangeSupport, known_range_support
 
 if TYPE_CHECKING:
@@ -197,7 +196,7 @@ def allocated(
 ) -> None:
     req_id = request.request_id
     if n > 0 and record.state in (LoadState.LOADING, LoadState.LOADED):
-        allocate_segments(record.segments, list(blocks.get_block_ids()[0]), sched.block_size)
+        place(record.segments, list(blocks.get_block_ids()[0]), sched.block_size)
         tell_children(sched, record, request, blocks)
         active = [s for s in record.segments if s.active]
         sync = tuple((s.child, s.block_ids) for s in active if not s.is_async)

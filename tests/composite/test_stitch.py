@@ -194,3 +194,36 @@ def test_a_failed_segment_under_policy_fail_fails_the_request(harness):
     assert h.finished[req.request_id].finish_reason is not None
     assert not h.finished[req.request_id].output_token_ids
     h.assert_clean()
+
+
+def test_every_child_outside_the_segments_hears_zero(harness):
+    a = script("a", Behaviour(tokens=32))
+    b = script("b", Behaviour(tokens=0))
+    c = script("c", Behaviour(tokens=64))
+    h = harness(stitch_config(native("a"), native("b"), native("c")))
+    req = h.add_request(prompt(100), max_tokens=2)
+    rid = req.request_id
+    h.run_until_idle()
+    assert allocs(a, rid) == [32] and allocs(b, rid) == [0] and allocs(c, rid) == [32]
+    assert lookups_at(b, rid) == [32] and lookups_at(c, rid) == [32]
+    h.assert_clean()
+
+
+def test_a_last_segment_child_is_handed_a_block_view_from_its_start(harness):
+    """A NIXL-like child (loads every unhashed block it is handed) pulls exactly its range
+    through the view; with the full blocks it would pull the earlier segment's blocks too."""
+    script("a", Behaviour(tokens=32, is_async=True))
+    tail = script("tail", Behaviour(tokens=96, is_async=True, loads_unhashed=True))
+    h = harness(stitch_config(native("a"), leaf("tail", load_range="last_segment"), native("c")))
+    script("c", Behaviour(tokens=120))
+    req = h.add_request(prompt(120), max_tokens=2)
+    rid = req.request_id
+    h.step()
+    segments = h.connector.ownership()[rid]["segments"]
+    assert [(s["child"], s["range"]) for s in segments] == [("a", [0, 32]), ("tail", [32, 96])]
+    blocks = h.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+    loaded = [c[2] for c in tail.calls if c[0] == "loaded_blocks" and c[1] == rid]
+    assert loaded == [tuple(blocks[2:6])]
+    assert allocs(tail, rid)[0] == 64
+    h.run_until_idle()
+    h.assert_clean()
