@@ -7,8 +7,9 @@ order from ``covered = local``: each child that can start a segment at ``covered
 ``kvcompose.tree.ranges`` mode and alignment allow it) is looked up *at* ``covered``, and a hit
 of ``n`` tokens becomes the segment ``[covered, covered + n)``. vLLM is told the total and
 whether any segment is async (never ``(0, True)``). At allocation every segment's child hears
-its own count (a ``last_segment`` child through a block view starting at its segment), every
-other child 0; a grant smaller than the total re-cuts the segments
+its own count (a ``last_segment`` child through a block view starting at its segment; a child
+with ``set_load_range``, kvcompose's store, is also told its range explicitly), every other
+child 0; a grant smaller than the total re-cuts the segments
 (``kvcompose.composite.segments``).
 
 Walking rules per mode: ``sole_owner`` children are asked only while no segment exists, and

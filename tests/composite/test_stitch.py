@@ -227,3 +227,49 @@ def test_a_last_segment_child_is_handed_a_block_view_from_its_start(harness):
     assert allocs(tail, rid)[0] == 64
     h.run_until_idle()
     h.assert_clean()
+
+
+def test_a_natural_end_child_is_skipped_after_an_async_segment(harness):
+    """LMCache-like (sync, loads to its own end): only in sync stitches."""
+    script("a", Behaviour(tokens=32, is_async=True))
+    lm = script("lm", Behaviour(tokens=64))
+    h = harness(stitch_config(native("a"), leaf("lm", load_range="natural_end")))
+    req = h.add_request(prompt(100), max_tokens=2)
+    h.step()
+    assert lookups_at(lm, req.request_id) == []
+    assert h.connector.ownership()[req.request_id]["owner"] == "a"
+    h.run_until_idle()
+    h.assert_clean()
+
+
+def test_after_a_natural_end_child_no_async_segment_joins(harness):
+    script("lm", Behaviour(tokens=32))
+    b = script("b", Behaviour(tokens=64, is_async=True))
+    c = script("c", Behaviour(tokens=96))
+    h = harness(
+        stitch_config(
+            leaf("lm", load_range="natural_end", load_range_alignment=16),
+            native("b"),
+            native("c"),
+        )
+    )
+    req = h.add_request(prompt(120), max_tokens=2)
+    rid = req.request_id
+    h.step()
+    segments = h.connector.ownership()[rid]["segments"]
+    assert [(s["child"], s["range"]) for s in segments] == [("lm", [0, 32]), ("c", [32, 96])]
+    assert lookups_at(b, rid) == [32] and allocs(b, rid) == [0]
+    assert allocs(c, rid) == [64]
+    h.run_until_idle()
+    h.assert_clean()
+
+
+def test_a_start_off_the_childs_alignment_skips_it(harness):
+    script("a", Behaviour(tokens=32))
+    b = script("b", Behaviour(tokens=96))
+    h = harness(stitch_config(native("a"), native("b", load_range_alignment=64)))
+    req = h.add_request(prompt(120), max_tokens=2)
+    h.step()
+    assert lookups_at(b, req.request_id) == []
+    h.run_until_idle()
+    h.assert_clean()
