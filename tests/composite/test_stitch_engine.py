@@ -137,8 +137,8 @@ def test_a_failed_slow_segment_keeps_the_fast_one(tiny_model, filled):
         sched = scheduler(llm)
         schedule = sched.schedule
 
-        def counting_schedule() -> Any:
-            out = schedule()
+        def counting_schedule(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
             for req_id, n in out.num_scheduled_tokens.items():
                 computed[req_id.rsplit("-", 1)[0]] += n
             return out
