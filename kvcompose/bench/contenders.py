@@ -208,6 +208,11 @@ BUILTIN_CONTENDERS: dict[str, tuple[str, str, str | None]] = {
         "kvcompose chain [fast, disk], policy longest",
         _kvcompose_yaml("longest"),
     ),
+    "kvcompose-stitch": (
+        "kvcompose",
+        "kvcompose chain [fast, disk], policy stitch: fast loads its prefix, disk only the rest",
+        _kvcompose_yaml("stitch"),
+    ),
 }
 
 DEFAULT_CONTENDERS = tuple(BUILTIN_CONTENDERS)

@@ -14,9 +14,10 @@ import sys
 from typing import Any
 
 EPILOG = """\
-contenders (--contender/-c, repeatable; --chain is an alias; default: the five built-ins):
+contenders (--contender/-c, repeatable; --chain is an alias; default: the six built-ins):
   none | recompute          no connector (the reference for output agreement)
-  builtin:NAME              disk, multiconnector, kvcompose-first, kvcompose-longest
+  builtin:NAME              disk, multiconnector, kvcompose-first, kvcompose-longest,
+                            kvcompose-stitch
   [LABEL=]FILE.yaml|.json   a kvcompose config, or any vLLM --kv-transfer-config JSON
                             (e.g. vLLM's own MultiConnector), passed to vLLM unchanged
   In contender files, {store:NAME} / {tmpfs:NAME} become fresh per-contender directories on

@@ -15,6 +15,7 @@ from kvcompose.config.compile import PARAMS_PRODUCERS
 from kvcompose.config.render import MODULE_PATH, composite_class
 from kvcompose.config.vllm_checks import NAME_CHECKED
 from kvcompose.tree import Chain, Fanout, Leaf, Node, Route, RouteRule
+from kvcompose.tree.ranges import known_range_support
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -71,8 +72,16 @@ def _tree(
         for line in tier_lines(config.tree, node):
             branch.add(f"[dim]{escape(line)}[/dim]")
         return branch
+    stitching = isinstance(node, Chain) and node.policy == "stitch"
     for index, child in enumerate(node.children):
-        _tree(config, child, saves, _child_tag(node, child, index), branch)
+        sub = _tree(config, child, saves, _child_tag(node, child, index), branch)
+        if stitching:
+            support = (
+                child.range_support() if isinstance(child, Leaf) else known_range_support(None)
+            )
+            align = f", starts on {support.align} tokens" if support.align else ""
+            why = escape(support.why)
+            sub.add(f"[magenta]load range: {support.mode}{align}[/magenta] [dim]({why})[/dim]")
     return branch
 
 
@@ -92,11 +101,12 @@ def _label(config: Config, node: Node, saves: dict[str, bool]) -> str:
     if not node.save:
         extras.append("[red]save: false[/red] (no leaf below saves)")
     if isinstance(node, Chain):
-        how = (
-            "asks children in order; the first hit loads"
-            if node.policy == "first"
-            else "asks every child; the longest hit loads (ties go to the earlier child)"
-        )
+        how = {
+            "first": "asks children in order; the first hit loads",
+            "longest": "asks every child; the longest hit loads (ties go to the earlier child)",
+            "stitch": "asks children in order, each where the earlier ones end; every hit "
+            "loads its own range",
+        }[node.policy]
         text = f"[bold]{name}[/bold]  chain, policy {node.policy}: {how}; {timeout}"
     elif isinstance(node, Fanout):
         loads = (

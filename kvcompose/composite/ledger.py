@@ -21,6 +21,11 @@ State machine (transitions are the only methods that change a record)::
 A lookup that finds no owner for a request the node holds no record of creates none: a plain
 miss leaves nothing to track (the allocation that follows tells every child 0 tokens).
 
+A **stitched** load (``policy: stitch`` with two or more loading children) has no single owner
+(``owner`` is None) but ``segments`` (``kvcompose.composite.segments``): the record is
+``LOADING`` while any async segment is, ``LOADED`` once all are, ``FAILED`` if one failed;
+the grant re-cuts the segments at allocation.
+
 A second ``update_state_after_alloc(…, 0)`` after an async load leaves the state unchanged.
 A failed owner is remembered in ``excluded`` and skipped when the scheduler looks the request
 up again (``kv_load_failure_policy="recompute"`` after a total failure), so the next child can
@@ -56,6 +61,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvcompose.composite import segments as seg
+from kvcompose.composite.segments import Segment, SegmentError
+
 
 class LoadState(enum.Enum):
     PENDING = "pending"
@@ -90,9 +98,21 @@ class LoadRecord:
     reason: str = ""
     pending_since: float | None = None
     excluded: frozenset[int] = frozenset()  # children whose load of this request failed
+    segments: tuple[Segment, ...] = ()  # a stitched load's ranges (no single owner)
 
-    def as_dict(self) -> dict[str, object]:
-        return {
+    @property
+    def stitched(self) -> bool:
+        return bool(self.segments)
+
+    def loaders(self) -> tuple[int, ...]:
+        """The children that load (or loaded) this request: the owner, or every active
+        segment's child."""
+        if self.segments:
+            return tuple(s.child for s in self.segments if s.active)
+        return () if self.owner is None else (self.owner,)
+
+    def as_dict(self, names: list[str] | None = None) -> dict[str, object]:
+        out: dict[str, object] = {
             "state": self.state.value,
             "owner": self.owner,
             "tokens": self.tokens,
@@ -100,6 +120,9 @@ class LoadRecord:
             "reason": self.reason,
             "excluded": sorted(self.excluded),
         }
+        if self.segments:
+            out["segments"] = [s.as_dict(names) for s in self.segments]
+        return out
 
 
 class Ledger:
@@ -119,8 +142,8 @@ class Ledger:
     def __len__(self) -> int:
         return len(self._records)
 
-    def snapshot(self) -> dict[str, dict[str, object]]:
-        return {req_id: rec.as_dict() for req_id, rec in self._records.items()}
+    def snapshot(self, names: list[str] | None = None) -> dict[str, dict[str, object]]:
+        return {req_id: rec.as_dict(names) for req_id, rec in self._records.items()}
 
     # ------------------------------------------------------------- transitions
     def _for_lookup(self, req_id: str) -> LoadRecord:
@@ -156,7 +179,17 @@ class Ledger:
         record = self._for_lookup(req_id)
         record.state, record.owner, record.tokens = LoadState.OWNED, owner, tokens
         record.is_async, record.reason, record.local_tokens = is_async, reason, local_tokens
-        record.pending_since, record.load_blocks = None, ()
+        record.pending_since, record.load_blocks, record.segments = None, (), ()
+        return record
+
+    def decide_stitch(
+        self, req_id: str, segments: tuple[Segment, ...], reason: str, local_tokens: int
+    ) -> LoadRecord:
+        """A stitch lookup decided: ``segments`` (two or more) load after ``local_tokens``."""
+        tokens = sum(s.tokens for s in segments)
+        is_async = any(s.is_async for s in segments)
+        record = self.decide(req_id, None, tokens, is_async, reason, local_tokens)
+        record.segments = segments
         return record
 
     def allocated(self, req_id: str, num_external_tokens: int) -> LoadRecord | None:
@@ -183,6 +216,13 @@ class Ledger:
                 f"request {req_id}: scheduler allocated {num_external_tokens} "
                 f"external tokens, more than the {record.tokens} promised"
             )
+        if record.segments:
+            try:
+                seg.grant(record.segments, record.local_tokens, num_external_tokens)
+            except SegmentError as exc:
+                raise LedgerError(f"request {req_id}: {exc}") from None
+            # vLLM parks the request whenever it granted tokens of an async answer, even
+            # if the cut left only sync segments: the worker then signals their end itself
         if num_external_tokens == 0:
             record.state = LoadState.NO_LOAD
         elif record.is_async:
@@ -191,10 +231,22 @@ class Ledger:
             record.state = LoadState.LOADED
         return record
 
-    def recv_finished(self, req_id: str, failed: bool) -> None:
+    def recv_finished(
+        self, req_id: str, failed: bool, failed_children: frozenset[int] = frozenset()
+    ) -> None:
+        """The request's (one) receive. For a stitched load every async segment has
+        finished; ``failed_children`` names the ones that failed."""
         record = self._records.get(req_id)
         if record is None or record.state is not LoadState.LOADING:
             return  # aborted before the load completed; nothing to track
+        if record.segments:
+            for child in seg.loading(record.segments):
+                seg.received(record.segments, child, child in failed_children)
+            if failed_children:
+                record.excluded = record.excluded | failed_children
+            failed = failed or bool(failed_children)
+            record.state = LoadState.FAILED if failed else LoadState.LOADED
+            return
         if failed:
             record.state = LoadState.FAILED
             if record.owner is not None:
@@ -208,6 +260,9 @@ class Ledger:
         for record in self._records.values():
             if record.owner is not None and block_ids.intersection(record.load_blocks):
                 record.excluded = record.excluded | {record.owner}
+            for segment in record.segments:
+                if segment.active and block_ids.intersection(segment.block_ids):
+                    record.excluded = record.excluded | {segment.child}
 
     def finished(self, req_id: str) -> LoadRecord | None:
         return self._records.pop(req_id, None)
@@ -234,9 +289,19 @@ class FinishRecord:
     state: FinishState
     owner: int | None  # the child whose async load was in flight at the finish
     senders: tuple[int, ...]  # the children that delayed the free
+    # a stitched load: the children whose async segments were in flight (the worker sends
+    # one receive for all of them); None for an owned load
+    loaders: tuple[int, ...] | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return {"state": self.state.value, "owner": self.owner, "senders": list(self.senders)}
+        out: dict[str, object] = {
+            "state": self.state.value,
+            "owner": self.owner,
+            "senders": list(self.senders),
+        }
+        if self.loaders is not None:
+            out["loaders"] = list(self.loaders)
+        return out
 
 
 class Finishes:
@@ -255,9 +320,16 @@ class Finishes:
         return {req_id: rec.as_dict() for req_id, rec in self._records.items()}
 
     # ------------------------------------------------------------- transitions
-    def finished(self, req_id: str, loading_owner: int | None, senders: tuple[int, ...]) -> None:
+    def finished(
+        self,
+        req_id: str,
+        loading_owner: int | None,
+        senders: tuple[int, ...],
+        loaders: tuple[int, ...] | None = None,
+    ) -> None:
         """``request_finished``: ``loading_owner`` still loads into the request's blocks
-        (``None``: no load in flight); ``senders`` delayed the free."""
+        (``None``: no load in flight; for a stitched load, ``loaders`` are all the children
+        still loading); ``senders`` delayed the free."""
         if loading_owner is None and not senders:
             return
         if not senders:
@@ -266,7 +338,7 @@ class Finishes:
             state = FinishState.AWAITING_SENDS
         else:
             state = FinishState.AWAITING_RECV_AND_SENDS
-        self._records[req_id] = FinishRecord(state, loading_owner, senders)
+        self._records[req_id] = FinishRecord(state, loading_owner, senders, loaders)
 
     def received(self, req_id: str) -> tuple[int | None, Signal]:
         """The receive (or failed receive) of a finished request arrived. Returns the child

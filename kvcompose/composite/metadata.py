@@ -28,22 +28,48 @@ class CompositeMetadata(KVConnectorMetadata):
     if the owner raises on the worker, those blocks are reported as failed loads.
     ``sends``: requests finished this step whose blocks stay alive, request id → the children
     that asked to delay the free; the worker reports ``finished_sending`` once all of them did.
+    ``stitches``: stitched loads vLLM parked this step (``StitchLoad``): the worker reports one
+    ``finished_recving`` once every async segment did. ``sync_segments``: the sync segments of
+    stitched loads of this step, request id → ((child, block ids), ...).
+    ``block_level_failures``: a failed segment may be reported as invalid blocks (vLLM keeps
+    the valid prefix before it); False on models with several KV cache groups, where vLLM
+    refuses invalid blocks and the request is reported failed (``failed_recving``).
     """
 
     children: tuple[KVConnectorMetadata | None, ...]
     loads: dict[str, int] = field(default_factory=dict)
     sync_loads: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     sends: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    stitches: dict[str, StitchLoad] = field(default_factory=dict)
+    sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = field(default_factory=dict)
+    block_level_failures: bool = True
+
+
+@dataclass(frozen=True)
+class StitchLoad:
+    """A parked stitched load: the children whose async segments the worker waits for, and
+    every active segment's blocks (for reporting a failed one)."""
+
+    waits: tuple[int, ...]
+    blocks: dict[int, tuple[int, ...]]
 
 
 @dataclass
 class ComposedWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker → scheduler, aggregated across workers child by child."""
+    """Worker → scheduler, aggregated across workers child by child.
+
+    ``failed_segments``: stitched loads signalled this step whose segments failed, request id
+    → the failed children (vLLM reads failures before the scheduler side sees them, so the
+    worker tells which segment it was)."""
 
     children: tuple[KVConnectorWorkerMetadata | None, ...]
+    failed_segments: dict[str, frozenset[int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, ComposedWorkerMeta)
+        failed = dict(self.failed_segments)
+        for req_id, children in other.failed_segments.items():
+            failed[req_id] = failed.get(req_id, frozenset()) | children
         merged = []
         for mine, theirs in zip(self.children, other.children, strict=True):
             if mine is None:
@@ -52,7 +78,7 @@ class ComposedWorkerMeta(KVConnectorWorkerMetadata):
                 merged.append(mine)
             else:
                 merged.append(mine.aggregate(theirs))
-        return ComposedWorkerMeta(tuple(merged))
+        return ComposedWorkerMeta(tuple(merged), failed)
 
 
 @dataclass

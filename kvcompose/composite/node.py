@@ -179,6 +179,7 @@ class CompositeConnector(KVConnectorBase_V1):
                 base_hit_sources=super().get_external_cache_hit_sources,
                 base_group_ids=super().get_loaded_kv_cache_group_ids,
                 ask_every_child=self.ask_every_child,
+                num_kv_groups=len(kv_cache_config.kv_cache_groups) if kv_cache_config else 1,
             )
             self._bind_members("scheduler_side")
         else:

@@ -5,7 +5,9 @@ Chain, fan-out and route differ only here. A policy names the *candidates* for a
 
 - ``first``: ask in order, stop at the first hit; a child still answering ``None`` ahead of
   it holds the decision until it answers or the node's lookup deadline passes;
-- ``longest``: ask every candidate, the largest count wins, ties go to the earlier child.
+- ``longest``: ask every candidate, the largest count wins, ties go to the earlier child;
+- ``stitch``: ask in order, each child at the end of what the earlier ones cover, every hit
+  a segment of one stitched load (``kvcompose.composite.stitch``).
 
 Route asks exactly one child (chosen by its rules), fan-out one designated child or none.
 """
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvcompose")
 
-Mode = Literal["first", "longest"]
+Mode = Literal["first", "longest", "stitch"]
 
 
 @dataclass(frozen=True)

@@ -51,26 +51,35 @@ RULES: dict[str, tuple[Aggregation, str]] = {
         Aggregation.POLICY,
         "first / longest / route / fan-out picks "
         "one owner; its (n, async) goes up unchanged; "
-        "(0, True) → (0, False)",
+        "stitch asks each able child where the earlier ones end and reports the total, "
+        "async if any segment is; (0, True) → (0, False)",
     ),
     "update_state_after_alloc": (
         Aggregation.OWNER_N_OTHERS_0,
-        "every child with the real blocks: the owner with the scheduler's count, the others with 0",
+        "every child with the real blocks: the owner with the scheduler's count, the others "
+        "with 0; a stitch cuts its segments to the grant and tells each segment's child its "
+        "count (a last-segment child through a block view from its start)",
     ),
-    "get_external_cache_hit_sources": (Aggregation.OWNER, "the owner splits its tokens by tier"),
+    "get_external_cache_hit_sources": (
+        Aggregation.OWNER,
+        "the owner splits its tokens by tier; a stitch sums each segment child's split",
+    ),
     "get_loaded_kv_cache_group_ids": (
         Aggregation.OWNER,
-        "the owner's groups; base default when no owner",
+        "the owner's groups (a stitch: the groups every segment's child restores); "
+        "base default when no owner",
     ),
     "build_connector_meta": (
         Aggregation.COMPOSED,
         "every child every step; plus new async loads "
-        "(owner per request) and expected finished-sending children",
+        "(owner per request), stitched loads (awaited children, segment blocks) and "
+        "expected finished-sending children",
     ),
     "update_connector_output": (
         Aggregation.PER_CHILD_SLICE,
         "each child sees the output with its own "
-        "worker-metadata and KV-event slices; the ledger records loads",
+        "worker-metadata and KV-event slices; the ledger records loads (each async segment's "
+        "child sees its own receive, failed if its segment failed)",
     ),
     "request_finished": (
         Aggregation.COUNTED,
@@ -123,7 +132,8 @@ RULES: dict[str, tuple[Aggregation, str]] = {
     "get_transfer_results": (
         Aggregation.UNION_OWNER_FILTERED,
         "receives and failures only from the "
-        "load owner, once; a send once every delaying child finished",
+        "load owner, once (a stitch: one receive once every async segment reported); "
+        "a send once every delaying child finished",
     ),
     "get_block_ids_with_load_errors": (Aggregation.UNION, "union of the children"),
     "get_kv_connector_stats": (
@@ -135,7 +145,10 @@ RULES: dict[str, tuple[Aggregation, str]] = {
         "each child's events tagged by child",
     ),
     "get_handshake_metadata": (Aggregation.COMPOSED, "each child's handshake part"),
-    "build_connector_worker_meta": (Aggregation.COMPOSED, "each child's worker metadata"),
+    "build_connector_worker_meta": (
+        Aggregation.COMPOSED,
+        "each child's worker metadata, plus the children whose stitch segments failed",
+    ),
     "shutdown": (Aggregation.ALL, "every child, even if one raises; the first error re-raised"),
     # --- class level
     "get_required_kvcache_layout": (

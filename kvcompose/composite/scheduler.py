@@ -22,10 +22,17 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 
 from kvcompose import tree as nodes
+from kvcompose.composite import segments as seg
+from kvcompose.composite import stitch
 from kvcompose.composite.children import Children
 from kvcompose.composite.forwarding import SchedulerForwarding
 from kvcompose.composite.ledger import Finishes, Ledger, LoadState, Signal
-from kvcompose.composite.metadata import ComposedKVEvents, ComposedWorkerMeta, CompositeMetadata
+from kvcompose.composite.metadata import (
+    ComposedKVEvents,
+    ComposedWorkerMeta,
+    CompositeMetadata,
+    StitchLoad,
+)
 from kvcompose.composite.policies import RouteLookup, policy_for
 from kvcompose.composite.stats import NodeCounters
 
@@ -58,6 +65,7 @@ class CompositeScheduler(SchedulerForwarding):
         base_hit_sources: Callable[[Request, int], dict[Any, int]],
         base_group_ids: Callable[[Request], tuple[int, ...]],
         ask_every_child: bool = False,
+        num_kv_groups: int = 1,
     ) -> None:
         super().__init__(name, children, vllm_config.parallel_config.world_size)
         self.counters = counters
@@ -71,9 +79,13 @@ class CompositeScheduler(SchedulerForwarding):
         fixed = not isinstance(self.policy, RouteLookup)
         self._fixed_candidates = self.policy.candidates(None) if fixed else None  # type: ignore[arg-type]
         self._lookup_timeout_s = tree.lookup_timeout_s
-        self._debug = logger.isEnabledFor(logging.DEBUG)  # refreshed every step
-        self._block_size = vllm_config.cache_config.block_size
-        self._base_hit_sources = base_hit_sources
+        self.debug = logger.isEnabledFor(logging.DEBUG)  # refreshed every step
+        self._block_size = self.block_size = vllm_config.cache_config.block_size
+        self._stitching = self.policy.mode == "stitch"
+        self.range_supports = stitch.child_range_supports(tree)
+        # vLLM refuses invalid block ids on models with several KV cache groups
+        self._block_level_failures = num_kv_groups <= 1
+        self._base_hit_sources = self.base_hit_sources = base_hit_sources
         self._base_group_ids = base_group_ids
         connectors = children.connectors
         self.divergent_hits = bool(connectors) and all(
@@ -85,6 +97,8 @@ class CompositeScheduler(SchedulerForwarding):
         self._step_loads: dict[str, int] = {}
         self._step_sync_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._step_sends: dict[str, tuple[int, ...]] = {}
+        self.step_stitches: dict[str, StitchLoad] = {}
+        self.step_sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = {}
         self.refresh_child_methods()
 
     def refresh_child_methods(self) -> None:
@@ -92,7 +106,7 @@ class CompositeScheduler(SchedulerForwarding):
         after replacing a method on a child instance (tracing, fault injection)."""
         connectors = self.children.connectors
         self._lookups = [c.get_num_new_matched_tokens for c in connectors]
-        self._allocs = [c.update_state_after_alloc for c in connectors]
+        self._allocs = self.allocs = [c.update_state_after_alloc for c in connectors]
         self._new_request = [c.on_new_request for c in connectors]
         self._finishers: list[Finisher] = [c.request_finished for c in connectors]
         self._finishers_all_groups: list[Finisher] = [
@@ -125,7 +139,7 @@ class CompositeScheduler(SchedulerForwarding):
         return tables
 
     def ownership(self) -> dict[str, dict[str, object]]:
-        table = self.ledger.snapshot()
+        table = self.ledger.snapshot(self.children.names)
         for record in table.values():
             owner = record["owner"]
             record["owner"] = None if owner is None else self.children.names[owner]  # type: ignore[index]
@@ -146,10 +160,12 @@ class CompositeScheduler(SchedulerForwarding):
                 and time.monotonic() - record.pending_since >= self._lookup_timeout_s
             )
             excluded = record.excluded
+        if self._stitching:
+            return stitch.lookup(self, request, num_computed_tokens, record, timed_out, excluded)
         candidates = self._fixed_candidates or self.policy.candidates(request)
         longest = self._longest
         # what each child answered, kept only for the debug decision record
-        trace: list[str] | None = [] if self._debug else None
+        trace: list[str] | None = [] if self.debug else None
         best: tuple[int, int, bool] | None = None  # (child, tokens, async)
         pending = False
         timeouts: list[int] = []
@@ -219,11 +235,30 @@ class CompositeScheduler(SchedulerForwarding):
             )
         return tokens, is_async
 
+    def ask(self, child: int, request: Request, at: int) -> tuple[int | None, bool]:
+        """One child's lookup at ``at``, through the guard (a raise is a miss)."""
+        try:
+            result = self._lookups[child](request, at)
+        except Exception as exc:
+            self.guard.child_error(child, "get_num_new_matched_tokens", exc)
+            return 0, False
+        if (
+            type(result) is tuple
+            and len(result) == 2
+            and type(result[0]) is int
+            and (result[0] > 0 or not result[1])
+        ):
+            return result
+        return self.guard.normalise_lookup(child, result)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
         record = self.ledger.allocated(req_id, num_external_tokens)
+        if record is not None and record.segments:
+            stitch.allocated(self, record, request, blocks, num_external_tokens)
+            return
         owner = record.owner if record is not None else None
         for i, alloc in enumerate(self._allocs):
             n = num_external_tokens if i == owner else 0
@@ -250,8 +285,11 @@ class CompositeScheduler(SchedulerForwarding):
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[Any, int]:
-        owner = self.ledger.owner(request.request_id)
+        record = self.ledger.get(request.request_id)
         default = self._base_hit_sources(request, num_external_tokens)
+        if record is not None and record.segments:
+            return stitch.hit_sources(self, record, request) or default
+        owner = None if record is None else record.owner
         if owner is None:
             return default
         return self.children.call(
@@ -259,19 +297,29 @@ class CompositeScheduler(SchedulerForwarding):
         )
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        owner = self.ledger.owner(request.request_id)
+        record = self.ledger.get(request.request_id)
+        if record is not None and record.segments:
+            return stitch.group_ids(self, record, request)
+        owner = None if record is None else record.owner
         if owner is None:
             return self._base_group_ids(request)
         return self.children.connectors[owner].get_loaded_kv_cache_group_ids(request)
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CompositeMetadata:
-        self._debug = logger.isEnabledFor(logging.DEBUG)
+        self.debug = logger.isEnabledFor(logging.DEBUG)
         children = tuple(c.build_connector_meta(scheduler_output) for c in self._connectors)
         metadata = CompositeMetadata(
-            children, self._step_loads, self._step_sync_loads, self._step_sends
+            children,
+            self._step_loads,
+            self._step_sync_loads,
+            self._step_sends,
+            self.step_stitches,
+            self.step_sync_segments,
+            self._block_level_failures,
         )
         self._step_loads, self._step_sync_loads, self._step_sends = {}, {}, {}
+        self.step_stitches, self.step_sync_segments = {}, {}
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -298,17 +346,33 @@ class CompositeScheduler(SchedulerForwarding):
         held_sends: list[str] = []
         released_sends: list[str] = []
         recv_by: dict[int, set[str]] = {}
+        metas = worker_meta if isinstance(worker_meta, ComposedWorkerMeta) else None
+        segment_failures = metas.failed_segments if metas is not None else {}
+        failed_by: dict[int, set[str]] = {}
         for req_id in recv | failed:
-            owner = self.ledger.owner(req_id)
-            if owner is None:
+            record = self.ledger.get(req_id)
+            loaders: tuple[int, ...] = ()
+            if record is not None and record.segments:
+                loaders = seg.loading(record.segments)
+            elif record is not None and record.owner is not None:
+                loaders = (record.owner,)
+            else:
+                finish = self.finishes.get(req_id)
                 owner, signal = self.finishes.received(req_id)
                 if signal is not Signal.PASS:
                     held_recvs.append(req_id)
                     if signal is Signal.RELEASE_SEND:
                         released_sends.append(req_id)
-            self.ledger.recv_finished(req_id, failed=req_id in failed)
-            if owner is not None:
-                recv_by.setdefault(owner, set()).add(req_id)
+                if finish is not None and finish.loaders is not None:
+                    loaders = finish.loaders
+                elif owner is not None:
+                    loaders = (owner,)
+            children_failed = segment_failures.get(req_id, frozenset())
+            self.ledger.recv_finished(req_id, req_id in failed, children_failed)
+            for child in loaders:
+                recv_by.setdefault(child, set()).add(req_id)
+                if child in children_failed:
+                    failed_by.setdefault(child, set()).add(req_id)
         sent_by: dict[int, set[str]] = {}
         for req_id in sent:
             senders, signal = self.finishes.sent(req_id)
@@ -316,16 +380,16 @@ class CompositeScheduler(SchedulerForwarding):
                 held_sends.append(req_id)
             for child in senders:
                 sent_by.setdefault(child, set()).add(req_id)
-        metas = worker_meta.children if isinstance(worker_meta, ComposedWorkerMeta) else None
+        child_metas = metas.children if metas is not None else None
         child_events = events.children if isinstance(events, ComposedKVEvents) else None
         for i in range(num_children):
             mine = recv_by.get(i, set())
             view = dataclasses.replace(
                 connector_output,
                 finished_recving=mine or None,
-                failed_recving=mine & failed,
+                failed_recving=(mine & failed) | failed_by.get(i, set()),
                 finished_sending=sent_by.get(i) or None,
-                kv_connector_worker_meta=None if metas is None else metas[i],
+                kv_connector_worker_meta=None if child_metas is None else child_metas[i],
                 kv_cache_events=None if child_events is None else child_events[i],
             )
             call(i, "update_connector_output", None, view)
@@ -384,18 +448,25 @@ class CompositeScheduler(SchedulerForwarding):
             if params:
                 merged = self._merge_params(merged, params, producer, i, req_id)
         record = self.ledger.finished(req_id)
-        # aborted while loading: the owner's receive still comes, and is the owner's
-        loading = record.owner if record is not None and record.state is LoadState.LOADING else None
+        # aborted while loading: the loaders' receive still comes (one, for a stitch)
+        loaders: tuple[int, ...] | None = None  # a stitch: the async segments' children
+        loading: int | None = None
+        if record is not None and record.state is LoadState.LOADING:
+            if record.segments:
+                loaders = seg.loading(record.segments)
+                loading = (loaders or record.loaders())[0]
+            else:
+                loading = record.owner
         if first_error is not None:
             if loading is not None:
-                self.finishes.finished(req_id, loading, ())
+                self.finishes.finished(req_id, loading, (), loaders)
             raise first_error
         if delaying:
             senders = self._step_sends[req_id] = tuple(sorted(delaying))
-            self.finishes.finished(req_id, loading, senders)
+            self.finishes.finished(req_id, loading, senders, loaders)
             return True, merged
         if loading is not None:
-            self.finishes.finished(req_id, loading, ())
+            self.finishes.finished(req_id, loading, (), loaders)
         return False, merged
 
     def _merge_params(

@@ -13,6 +13,16 @@ filters what its children report (``WorkerSignals``):
   free (``CompositeMetadata.sends``). ``finished_sending`` goes up once all of them reported.
   A child reporting a send it never asked for is a violation, dropped and counted.
 
+- **stitched loads** (several children load one request, each its own range): the scheduler
+  side ships which children's async segments a parked request waits for
+  (``CompositeMetadata.stitches``); one ``finished_recving`` goes up once all of them
+  reported (an abort waits for all of them too: vLLM frees the blocks on that signal). A
+  failed segment loses only what vLLM allows: on a single-KV-group model its blocks go up
+  as invalid blocks with the ``finished_recving`` (vLLM keeps the valid prefix before it and
+  recomputes the rest), on several groups the request goes up in ``failed_recving`` (vLLM
+  resets it to 0 and looks it up again). The failed children reach the scheduler side in
+  ``ComposedWorkerMeta.failed_segments``.
+
 A child that raises while loading (``start_load_kv``, ``wait_for_layer_load``,
 ``get_transfer_results``, ``get_block_ids_with_load_errors``) fails its own loads and no
 other's: its async loads in flight are reported failed once, its sync loads of the step as
@@ -37,6 +47,7 @@ from kvcompose.composite.metadata import (
     ComposedKVEvents,
     ComposedWorkerMeta,
     CompositeMetadata,
+    StitchLoad,
 )
 
 if TYPE_CHECKING:
@@ -54,12 +65,28 @@ class WorkerSignals:
         self._sync_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._failed_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
+        # stitched loads: request -> children whose async segments are awaited
+        self._stitch_waits: dict[str, set[int]] = {}
+        self._stitch_blocks: dict[str, dict[int, tuple[int, ...]]] = {}
+        self._stitch_failed: dict[str, set[int]] = {}
+        self._sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = {}
+        self._block_level = True
+        self._segment_failures: dict[str, frozenset[int]] = {}
 
     def on_metadata(self, metadata: CompositeMetadata) -> None:
         self._recv_owner.update(metadata.loads)
         self._sync_loads = metadata.sync_loads
         for req_id, children in metadata.sends.items():
             self._send_waiting[req_id] = set(children)
+        self._block_level = metadata.block_level_failures
+        self._sync_segments = metadata.sync_segments
+        for req_id, stitch in metadata.stitches.items():
+            self._add_stitch(req_id, stitch)
+
+    def _add_stitch(self, req_id: str, stitch: StitchLoad) -> None:
+        self._stitch_waits[req_id] = set(stitch.waits)
+        self._stitch_blocks[req_id] = dict(stitch.blocks)
+        self._stitch_failed[req_id] = set()
 
     def fail_loads_of(self, child: int) -> None:
         """``child`` raised on the worker: its loads cannot be trusted. Its async loads in
@@ -69,6 +96,19 @@ class WorkerSignals:
         for owner, blocks in self._sync_loads.values():
             if owner == child:
                 self._failed_blocks.update(blocks)
+        for segments in self._sync_segments.values():
+            for loader, blocks in segments:
+                if loader == child:
+                    self._failed_blocks.update(blocks)
+        for req_id, waits in self._stitch_waits.items():
+            if child in waits:
+                waits.discard(child)
+                self._stitch_failed[req_id].add(child)
+
+    def take_segment_failures(self) -> dict[str, frozenset[int]]:
+        """Stitched loads signalled since the last call whose segments failed."""
+        failures, self._segment_failures = self._segment_failures, {}
+        return failures
 
     def take_failed_blocks(self) -> set[int]:
         blocks, self._failed_blocks = self._failed_blocks, set()
@@ -87,6 +127,12 @@ class WorkerSignals:
             if result is None:
                 continue
             for req_id in result.finished_recving | result.failed_recving:
+                waits = self._stitch_waits.get(req_id)
+                if waits is not None and child in waits:
+                    waits.discard(child)
+                    if req_id in result.failed_recving:
+                        self._stitch_failed[req_id].add(child)
+                    continue
                 owner = self._recv_owner.get(req_id)
                 if owner != child:
                     kind = "foreign_recv" if owner is not None else "unexpected_recv"
@@ -109,7 +155,25 @@ class WorkerSignals:
                 if not waiting:
                     del self._send_waiting[req_id]
                     out.finished_sending.add(req_id)
+        self._finish_stitches(out)
         return out
+
+    def _finish_stitches(self, out: KVConnectorTransferResults) -> None:
+        """One ``finished_recving`` per stitched load whose async segments all reported."""
+        done = [req_id for req_id, waits in self._stitch_waits.items() if not waits]
+        for req_id in done:
+            del self._stitch_waits[req_id]
+            blocks = self._stitch_blocks.pop(req_id)
+            failed = self._stitch_failed.pop(req_id)
+            out.finished_recving.add(req_id)
+            if not failed:
+                continue
+            self._segment_failures[req_id] = frozenset(failed)
+            if self._block_level:
+                for child in failed:  # vLLM cuts the request back to the first of them
+                    self._failed_blocks.update(blocks.get(child, ()))
+            else:
+                out.failed_recving.add(req_id)
 
     def live(self) -> dict[str, object]:
         tables: dict[str, object] = {}
@@ -117,6 +181,8 @@ class WorkerSignals:
             tables["loads_in_flight"] = dict(self._recv_owner)
         if self._send_waiting:
             tables["sends_waiting"] = {k: sorted(v) for k, v in self._send_waiting.items()}
+        if self._stitch_waits:
+            tables["stitches_in_flight"] = {k: sorted(v) for k, v in self._stitch_waits.items()}
         return tables
 
 
@@ -250,4 +316,7 @@ class CompositeWorker:
             self.children.call(i, "build_connector_worker_meta", None)
             for i in range(len(self.children.connectors))
         )
-        return None if all(p is None for p in parts) else ComposedWorkerMeta(parts)
+        failures = self.signals.take_segment_failures()
+        if not failures and all(p is None for p in parts):
+            return None
+        return ComposedWorkerMeta(parts, failures)

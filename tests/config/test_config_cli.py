@@ -377,3 +377,29 @@ def test_standard_input(run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO(TIERS.read_text()))
     code, _, err = run_cli("vllm-args", "--offline", "--by-path", "-")
     assert (code, err) == (1, "<stdin>: this config does not come from a file: print it inline\n")
+
+
+def test_explain_shows_each_stitch_childs_range_mode(run_cli, tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text(
+        "kv_role: kv_both\ntree:\n  chain:\n    policy: stitch\n    children:\n"
+        "      - leaf: {name: ram, connector: PrefixStoreConnector, module_path: kvcompose.stores,"
+        " extra_config: {path: /tmp/x}}\n"
+        "      - leaf: {name: whole, connector: ExampleConnector}\n"
+        "      - leaf: {name: mine, connector: MyStore, load_range: native,"
+        " load_range_alignment: 64}\n"
+        "      - leaf: {name: nixl, connector: NixlConnector}\n"
+    )
+    code, out, err = run_cli("explain", "--offline", str(path))
+    assert code == 0, err
+    assert "chain, policy stitch: asks children in order, each where the earlier ones end" in out
+    assert "load range: native (looked up at a, loads exactly [a, a + n)" in out
+    assert "load range: sole_owner (loads every stored token of the prompt" in out
+    assert "load range: native, starts on 64 tokens (set in the tree (the table says" in out
+    assert "load range: last_segment (pulls every unhashed block" in out
+
+
+def test_explain_the_stitch_example(run_cli) -> None:
+    code, out, err = run_cli("explain", "--offline", str(EXAMPLES / "stitch-tiers.yaml"))
+    assert code == 0, err
+    assert out.count("load range: native") == 2

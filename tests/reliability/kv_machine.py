@@ -26,6 +26,7 @@ steers around each (see ``Gen``), and each has a strict-xfail repro in
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -74,18 +75,45 @@ class Shape:
     build: Callable[[float], dict[str, Any]]
     #: ``kv_transfer_params`` a request may carry (route rules read them).
     params: tuple[dict[str, Any] | None, ...] = (None,)
+    #: Draw hits mostly on block boundaries, so that later children can stitch after them.
+    aligned: bool = False
 
 
 def script_name(leaf_name: str) -> str:
     return f"rel.{leaf_name}"
 
 
-def _leaf(name: str) -> dict[str, Any]:
-    return leaf(name, script_name(name))
+def _leaf(name: str, **fields: Any) -> dict[str, Any]:
+    return leaf(name, script_name(name), **fields)
 
 
 def _chain(policy: str) -> Callable[[float], dict[str, Any]]:
     return lambda t: chain("root", _leaf("a"), _leaf("b"), policy=policy, lookup_timeout_s=t)
+
+
+def _stitch(t: float) -> dict[str, Any]:
+    """root = chain[stitch](a, b, c native; d sole owner): scripted children hold the
+    prompt's first tokens, so each native one can load the range after the earlier ones."""
+    native = {"load_range": "native"}
+    return chain(
+        "root",
+        _leaf("a", **native),
+        _leaf("b", **native),
+        _leaf("c", **native),
+        _leaf("d"),
+        policy="stitch",
+        lookup_timeout_s=t,
+    )
+
+
+def _stitch_nested(t: float) -> dict[str, Any]:
+    """root = chain[stitch](fast native, chain[first](slow1, slow2) as one owner, disk native)"""
+    slow = chain("slow", _leaf("slow1"), _leaf("slow2"), lookup_timeout_s=t)
+    native = {"load_range": "native"}
+    return chain(
+        "root", _leaf("fast", **native), slow, _leaf("disk", **native), policy="stitch",
+        lookup_timeout_s=t,
+    )  # fmt: skip
 
 
 def _route(t: float) -> dict[str, Any]:
@@ -131,6 +159,8 @@ SHAPES: dict[str, Shape] = {
         Shape("route", ("a", "b"), _route, ({"tier": "a"}, {"tier": "b"}, None, {"tier": None})),
         Shape("fanout", ("a", "b"), _fanout),
         Shape("nested", ("fast", "slow1", "slow2", "disk"), _nested, (None, {"fast": True})),
+        Shape("chain-stitch", ("a", "b", "c", "d"), _stitch, aligned=True),
+        Shape("stitch-nested", ("fast", "slow1", "slow2", "disk"), _stitch_nested, aligned=True),
     )
 }
 
@@ -171,13 +201,19 @@ class Gen:
     breakers: bool  # contract breakers allowed (violations expected, no crash)
     deadline_zero: bool  # node lookup deadline ~0 s (1 ns): a second None is a miss
     policy: str  # kv_load_failure_policy
+    aligned: bool = False  # hits mostly on block boundaries (stitch shapes)
 
 
 @st.composite
-def behaviours(draw: st.DrawFn, leaf_name: str, gen: Gen) -> Behaviour:
+def behaviours(draw: st.DrawFn, leaf_name: str, gen: Gen, rank: int = 0) -> Behaviour:
     kind = draw(st.sampled_from(("miss", "sync", "async")), label=f"{leaf_name}.kind")
     tokens = 0
-    if kind != "miss":
+    if kind != "miss" and gen.aligned:
+        unaligned = draw(st.integers(0, 7), label=f"{leaf_name}.unaligned") == 0
+        # later children tend to hold more, so that three segments stitch too
+        ladder = min((rank + 1 + draw(st.integers(0, 3))) * BLOCK, MAX_PROMPT - BLOCK)
+        tokens = draw(st.integers(1, MAX_PROMPT)) if unaligned else ladder
+    elif kind != "miss":
         tokens = draw(
             st.one_of(
                 st.integers(1, MAX_PROMPT),
@@ -296,7 +332,15 @@ class KVComposeMachine(RuleBasedStateMachine):
     7. the scheduler is empty, every block is back in the pool, every composite's
        ``live_requests()`` and every leaf's ``live_requests()`` are empty, every async load
        was received once, every request some leaf delayed got its ``finished_sending`` once
-       (contract-obeying children).
+       (contract-obeying children);
+
+    and for stitched loads (several leaves allocated tokens of one request in one step):
+
+    8. each token is loaded by exactly one child (the leaves' ranges, from their lookup
+       argument and count, do not overlap); the one ``finished_recving`` goes up only once
+       every leaf with an async segment reported, never in ``failed_recving`` (one KV cache
+       group: a failed segment goes up as invalid blocks); an abort waits for every segment
+       (3 and 4 above hold per stitched load).
     """
 
     shape: ClassVar[Shape]
@@ -310,7 +354,12 @@ class KVComposeMachine(RuleBasedStateMachine):
         self.cursor: dict[str, int] = {}
         self.behaviour: dict[str, dict[str, Behaviour]] = {}  # req -> leaf -> behaviour
         self.breaking: set[str] = set()  # requests with a contract-breaking child
-        self.loads: dict[str, str] = {}  # req -> leaf owning the async load in flight
+        # req -> leaves loading the async load in flight (several: a stitched load), and
+        # which of them reported their receive so far
+        self.loads: dict[str, set[str]] = {}
+        self.reported: dict[str, set[str]] = defaultdict(set)
+        self.last_lookup: dict[tuple[str, str], int] = {}  # (leaf, req) -> lookup argument
+        self.stitched: set[str] = set()  # requests whose last load had several segments
         self.delayers: dict[str, set[str]] = defaultdict(set)
         self.sent: dict[str, set[str]] = defaultdict(set)
         self.root_recv: Counter[str] = Counter()
@@ -332,7 +381,12 @@ class KVComposeMachine(RuleBasedStateMachine):
         num_blocks = data.draw(st.sampled_from((160, 10, 16, 24, 48)), label="num_blocks")
         max_num_seqs = data.draw(st.integers(2, 8), label="max_num_seqs")
         budget = data.draw(st.sampled_from((256, 64, 128)), label="max_num_batched_tokens")
-        self.gen = Gen(breakers=breakers, deadline_zero=deadline_zero, policy=policy)
+        self.gen = Gen(
+            breakers=breakers,
+            deadline_zero=deadline_zero,
+            policy=policy,
+            aligned=self.shape.aligned,
+        )
         self.scripts = {name: script(script_name(name)) for name in self.shape.leaves}
         self.cursor = dict.fromkeys(self.shape.leaves, 0)
         tree = self.shape.build(1e-9 if deadline_zero else 3600.0)
@@ -358,14 +412,17 @@ class KVComposeMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         length = data.draw(
-            st.one_of(st.integers(BLOCK + 1, MAX_PROMPT), st.integers(1, BLOCK)),
+            st.integers(MAX_PROMPT - BLOCK, MAX_PROMPT)
+            if self.shape.aligned and data.draw(st.booleans(), label="long_prompt")
+            else st.one_of(st.integers(BLOCK + 1, MAX_PROMPT), st.integers(1, BLOCK)),
             label="prompt_tokens",
         )
         family = data.draw(st.sampled_from((None, None, None, 0, 1)), label="prefix_family")
         max_tokens = data.draw(st.integers(1, MAX_OUTPUT), label="max_tokens")
         params = data.draw(st.sampled_from(self.shape.params), label="kv_transfer_params")
         drawn = {
-            name: data.draw(behaviours(name, self.gen), label=name) for name in self.shape.leaves
+            name: data.draw(behaviours(name, self.gen, rank), label=name)
+            for rank, name in enumerate(self.shape.leaves)
         }
         drawn = self.avoid_known_bugs(drawn)
         self.behaviour[rid] = drawn
@@ -470,6 +527,8 @@ class KVComposeMachine(RuleBasedStateMachine):
     def scan(self) -> dict[str, set[tuple[str, bool]]]:
         """Read the leaves' new call records; returns this step's recv reports by request."""
         recv: dict[str, set[tuple[str, bool]]] = defaultdict(set)
+        ranges: dict[str, list[tuple[int, int, str]]] = defaultdict(list)  # this batch's loads
+        new_async: dict[str, set[str]] = defaultdict(set)
         for name, s in self.scripts.items():
             calls = s.calls[self.cursor[name] :]
             self.cursor[name] = len(s.calls)
@@ -479,14 +538,15 @@ class KVComposeMachine(RuleBasedStateMachine):
                     rid = call[1]
                     b = s.behaviour(rid)
                     STATS["loads.async" if b.is_async else "loads.sync"] += 1
+                    start = self.last_lookup.get((name, rid), 0)
+                    ranges[rid].append((start, start + call[2], name))
                     if b.is_async:
                         check(
                             rid not in self.loads,
                             f"{rid}: a second async load ({name}) while one from "
                             f"{self.loads.get(rid)} is in flight",
                         )
-                        self.loads[rid] = name
-                        self.async_loads[rid] += 1
+                        new_async[rid].add(name)
                     if b.load != "ok":
                         STATS[f"loads.{b.load}.{'async' if b.is_async else 'sync'}"] += 1
                 elif kind == "delay":
@@ -498,6 +558,26 @@ class KVComposeMachine(RuleBasedStateMachine):
                     self.sent[call[1]].add(name)
                 elif kind == "lookup":
                     STATS["lookups"] += 1
+                    self.last_lookup[(name, call[1])] = call[2]
+        for rid, loaded in ranges.items():
+            # (8) each token is loaded by exactly one child
+            loaded.sort()
+            for (_, end, first), (start, _, second) in itertools.pairwise(loaded):
+                check(
+                    end <= start,
+                    f"{rid}: {first} and {second} both load tokens [{start}, {end})",
+                )
+            if len(loaded) > 1:
+                self.stitched.add(rid)
+                STATS["loads.stitched"] += 1
+                STATS[f"loads.stitched.{len(loaded)}_segments"] += 1
+        for rid in ranges:
+            if len(ranges[rid]) == 1:
+                self.stitched.discard(rid)
+        for rid, names in new_async.items():
+            self.loads[rid] = names
+            self.reported.pop(rid, None)
+            self.async_loads[rid] += 1
         return recv
 
     def do_step(self) -> Any:
@@ -520,10 +600,13 @@ class KVComposeMachine(RuleBasedStateMachine):
         # delaying the free, gets one terminal signal: the owner's receive is merged into the
         # finished_sending (vLLM would free on the first of two and assert on the second)
         for rid, reps in reports.items():
-            owner = self.loads.get(rid)
+            owners = self.loads.get(rid)
+            if owners:
+                self.reported[rid] |= {name for name, _ in reps} & owners
             if (
-                rid not in recving
-                and owner in {name for name, _ in reps}
+                owners
+                and rid not in recving
+                and owners <= self.reported[rid]
                 and self.h.requests[rid].is_finished()
                 and self.delayers.get(rid)
             ):
@@ -532,36 +615,45 @@ class KVComposeMachine(RuleBasedStateMachine):
                 STATS["root.recv_merged_into_send"] += 1
         # (3) receives: only for a load in flight, once, from its owner, never lost
         for rid in sorted(recving):
-            owner = self.loads.get(rid)
+            owners = self.loads.get(rid)
             check(
-                owner is not None,
+                bool(owners),
                 f"{rid}: finished_recving reached the scheduler with no async load in flight",
             )
+            assert owners is not None
             reporters = {name for name, _ in reports.get(rid, ())}
             check(
-                owner in reporters,
-                f"{rid}: finished_recving went up but its owner {owner!r} did not report "
-                f"it this step (reporters: {sorted(reporters)})",
+                bool(owners & reporters) and owners <= self.reported[rid] | reporters,
+                f"{rid}: finished_recving went up but its loaders {sorted(owners)} did not "
+                f"all report it (this step: {sorted(reporters)}, before: "
+                f"{sorted(self.reported[rid])})",
             )
-            if clean and rid not in self.breaking:
+            if clean and rid not in self.breaking and rid not in self.stitched:
+                (owner,) = owners
                 owner_failed = any(f for name, f in reports[rid] if name == owner)
                 check(
                     (rid in failed) == owner_failed,
                     f"{rid}: failed_recving={rid in failed} but owner {owner!r} "
                     f"reported failed={owner_failed}",
                 )
+            if rid in self.stitched:
+                # a stitched load (one KV cache group): a failed segment goes up as invalid
+                # blocks with the one receive, never as failed_recving
+                check(rid not in failed, f"{rid}: a stitched load went up in failed_recving")
+                STATS["root.stitched_recv"] += 1
             del self.loads[rid]
+            self.reported.pop(rid, None)
             self.root_recv[rid] += 1
             if rid in failed:
                 STATS["root.failed_recving"] += 1
         if clean:
-            for rid, reps in reports.items():
-                for name, _ in reps:
-                    if self.loads.get(rid) == name:
-                        raise InvariantError(
-                            f"{rid}: owner {name!r} reported its receive "
-                            "but it never reached the scheduler"
-                        )
+            for rid in reports:
+                owners = self.loads.get(rid)
+                if owners and owners <= self.reported[rid]:
+                    raise InvariantError(
+                        f"{rid}: loaders {sorted(owners)} reported their receives "
+                        "but none reached the scheduler"
+                    )
         # (4) sends: once, only after every delaying leaf reported
         for rid in sorted(sending):
             check(self.root_sent[rid] == 0, f"{rid}: a second finished_sending")
@@ -605,7 +697,7 @@ class KVComposeMachine(RuleBasedStateMachine):
             if rid in self.loads:
                 check(
                     rid in sched.requests,
-                    f"{rid}: blocks freed while {self.loads[rid]} still loads into them",
+                    f"{rid}: blocks freed while {sorted(self.loads[rid])} still load into them",
                 )
 
     def check_tables(self) -> None:
@@ -616,7 +708,10 @@ class KVComposeMachine(RuleBasedStateMachine):
             stray = set(node.ledger.snapshot()) - live
             check(not stray, f"node {node.name}: ledger holds finished requests {sorted(stray)}")
         if clean:
-            in_flight = set(self.h.worker_connector.signals.live().get("loads_in_flight", {}))
+            live = self.h.worker_connector.signals.live()
+            in_flight = set(live.get("loads_in_flight", {})) | set(
+                live.get("stitches_in_flight", {})
+            )
             check(
                 in_flight == set(self.loads),
                 f"worker loads in flight {sorted(in_flight)} != async loads not yet "

@@ -149,6 +149,11 @@ class PrefixStoreConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def set_load_range(self, request_id: str, start: int, end: int) -> None:
+        """Place the next allocation's load at ``[start, …)``, at most ``end - start`` tokens
+        (kvcompose's explicit load range; see ``PrefixStoreScheduler.set_load_range``)."""
+        self.scheduler.set_load_range(request_id, start, end)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:

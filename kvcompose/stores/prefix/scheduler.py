@@ -86,6 +86,8 @@ class PrefixStoreScheduler:
         self._lookup_local: dict[str, int] = {}
         #: Where the local hit ends, from every lookup (promote only).
         self._local_hit: dict[str, int] = {}
+        #: Load ranges a caller set explicitly (``set_load_range``), until the allocation.
+        self._load_ranges: dict[str, tuple[int, int]] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
         #: Requests whose async load failed: not offered the store again.
         self._no_store_reqs: set[str] = set()
@@ -125,13 +127,19 @@ class PrefixStoreScheduler:
 
     def stored_prefix_chunks(self, request: Request) -> int:
         """How many of the prompt's first chunks are stored (inside ``prompt[:-1]``)."""
+        return self.stored_chunks_from(request, 0)
+
+    def stored_chunks_from(self, request: Request, first: int) -> int:
+        """How many consecutive prompt chunks from chunk ``first`` on are stored (inside
+        ``prompt[:-1]``). A chunk's key hashes the whole prefix up to its end, so a stored
+        chunk is valid whether or not the chunks before it are stored."""
         salt = request_salt(self.salt, request)
         if salt is None:
             return 0
         limit = lookup_limit_chunks(len(request.prompt_token_ids or []), self.chunk_tokens)
         n = 0
         queued = self._queued
-        for key in self._prompt_keys(request, salt)[:limit]:
+        for key in self._prompt_keys(request, salt)[first:limit]:
             if key not in queued and not self.files.stored(key):
                 break
             n += 1
@@ -140,11 +148,16 @@ class PrefixStoreScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """The stored tokens after ``num_computed_tokens``, counted from the chunk holding
+        it (chunk ``num_computed_tokens // C``): what the engine already holds need not be
+        stored, so a tier holding only a later part of a prompt can load that part (a
+        ``stitch`` chain's later segment)."""
         if self.admission.promote:
             self._local_hit[request.request_id] = num_computed_tokens
         if not self.loads_enabled or request.request_id in self._no_store_reqs:
             return 0, False
-        matched = self.stored_prefix_chunks(request) * self.chunk_tokens
+        first = num_computed_tokens // self.chunk_tokens
+        matched = (first + self.stored_chunks_from(request, first)) * self.chunk_tokens
         if matched <= num_computed_tokens:
             return 0, False
         # Remember where the local hit ends, to place the load; a pure memo that does not
@@ -153,6 +166,18 @@ class PrefixStoreScheduler:
         return matched - num_computed_tokens, self.is_async
 
     # ------------------------------------------------------------------------ loads
+
+    def set_load_range(self, req_id: str, start: int, end: int) -> None:
+        """The next allocation's load is ``[start, start + n)`` with ``n <= end - start``,
+        whatever the lookup's argument was (a composite stitching several children's ranges
+        says so explicitly instead of relying on the lookup's memo). ``start`` must be on a
+        block boundary."""
+        if start % self.block_size or end < start:
+            raise ValueError(
+                f"PrefixStoreConnector: load range [{start}, {end}) for {req_id} does not "
+                f"start on a block ({self.block_size} tokens)"
+            )
+        self._load_ranges[req_id] = (start, end)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -171,8 +196,17 @@ class PrefixStoreScheduler:
             if req_id in self._local_hit:
                 state.local_hit = self._local_hit.pop(req_id)
         local = self._lookup_local.pop(req_id, None)
+        explicit = self._load_ranges.pop(req_id, None)
         if num_external_tokens <= 0 or salt is None or state is None:
             return
+        if explicit is not None:
+            start, end = explicit
+            if num_external_tokens > end - start:
+                raise ValueError(
+                    f"PrefixStoreConnector: {num_external_tokens} tokens allocated for "
+                    f"{req_id}, more than its load range [{start}, {end})"
+                )
+            local = start
         if local is None:
             # Not looked up through this instance: the hit ends at the stored prefix.
             local = max(
@@ -385,6 +419,7 @@ class PrefixStoreScheduler:
         self._reqs.pop(req_id, None)
         self._lookup_local.pop(req_id, None)
         self._local_hit.pop(req_id, None)
+        self._load_ranges.pop(req_id, None)
         self._no_store_reqs.discard(req_id)
         self._pending_loads.pop(req_id, None)
         if req_id in self._saving_reqs:
