@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcompose import tree as nodes
 from kvcompose.composite.ledger import LoadState
@@ -34,10 +35,33 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
 
-    from kvcompose.composite.ledger import LoadRecord
-    from kvcompose.composite.scheduler import CompositeScheduler
+    from kvcompose.composite.children import Children
+    from kvcompose.composite.guard import Guard
+    from kvcompose.composite.ledger import Ledger, LoadRecord
+    from kvcompose.composite.stats import NodeCounters
 
 logger = logging.getLogger("kvcompose")
+
+
+class CompositeScheduler(Protocol):
+    """What the stitch half reads from its node's scheduler half
+    (``kvcompose.composite.scheduler.CompositeScheduler``); a protocol, so that the scheduler
+    can import this module without a cycle."""
+
+    name: str
+    children: Children
+    guard: Guard
+    counters: NodeCounters
+    ledger: Ledger
+    debug: bool
+    block_size: int
+    range_supports: tuple[RangeSupport, ...]
+    allocs: Sequence[Callable[..., Any]]
+    base_hit_sources: Callable[[Request, int], dict[Any, int]]
+    step_stitches: dict[str, StitchLoad]
+    step_sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]]
+
+    def ask(self, child: int, request: Request, at: int) -> tuple[int | None, bool]: ...
 
 
 def child_range_supports(tree: nodes.Composite) -> tuple[RangeSupport, ...]:
