@@ -3,8 +3,8 @@
     flock /tmp/kvcompose-engine.lock python benchmarks/default_comparison.py [kvcompose bench args]
 
 is ``kvcompose bench --out benchmarks/results/default`` (the built-in CPU model, the chat
-workload, contenders recompute / disk / multiconnector / kvcompose-first / kvcompose-longest),
-followed by the goals of this benchmark (``goals.py``). ``results.json``, ``results.csv`` and
+workload, contenders recompute / disk / multiconnector / kvcompose-first / kvcompose-longest /
+kvcompose-stitch), followed by the goals of this benchmark (``goals.py``). ``results.json``, ``results.csv`` and
 ``summary.png`` are committed; the rest of the output directory is ignored
 (``benchmarks/.gitignore``).
 """
