@@ -80,12 +80,12 @@ class CompositeScheduler(SchedulerForwarding):
         self._fixed_candidates = self.policy.candidates(None) if fixed else None  # type: ignore[arg-type]
         self._lookup_timeout_s = tree.lookup_timeout_s
         self.debug = logger.isEnabledFor(logging.DEBUG)  # refreshed every step
-        self._block_size = self.block_size = vllm_config.cache_config.block_size
+        self.block_size = vllm_config.cache_config.block_size
         self._stitching = self.policy.mode == "stitch"
         self.range_supports = stitch.child_range_supports(tree)
         # vLLM refuses invalid block ids on models with several KV cache groups
         self._block_level_failures = num_kv_groups <= 1
-        self._base_hit_sources = self.base_hit_sources = base_hit_sources
+        self.base_hit_sources = base_hit_sources
         self._base_group_ids = base_group_ids
         connectors = children.connectors
         self.divergent_hits = bool(connectors) and all(
@@ -106,7 +106,7 @@ class CompositeScheduler(SchedulerForwarding):
         after replacing a method on a child instance (tracing, fault injection)."""
         connectors = self.children.connectors
         self._lookups = [c.get_num_new_matched_tokens for c in connectors]
-        self._allocs = self.allocs = [c.update_state_after_alloc for c in connectors]
+        self.allocs = [c.update_state_after_alloc for c in connectors]
         self._new_request = [c.on_new_request for c in connectors]
         self._finishers: list[Finisher] = [c.request_finished for c in connectors]
         self._finishers_all_groups: list[Finisher] = [
@@ -260,7 +260,7 @@ class CompositeScheduler(SchedulerForwarding):
             stitch.allocated(self, record, request, blocks, num_external_tokens)
             return
         owner = record.owner if record is not None else None
-        for i, alloc in enumerate(self._allocs):
+        for i, alloc in enumerate(self.allocs):
             n = num_external_tokens if i == owner else 0
             try:
                 alloc(request, blocks, n)
@@ -277,7 +277,7 @@ class CompositeScheduler(SchedulerForwarding):
 
     def _load_blocks(self, blocks: KVCacheBlocks, local_tokens: int, n: int) -> tuple[int, ...]:
         """The block ids a load of ``n`` tokens after ``local_tokens`` writes (group 0)."""
-        block_size = self._block_size
+        block_size = self.block_size
         first = local_tokens // block_size
         last = -(-(local_tokens + n) // block_size)
         return tuple(blocks.get_block_ids()[0][first:last])
@@ -286,7 +286,7 @@ class CompositeScheduler(SchedulerForwarding):
         self, request: Request, num_external_tokens: int
     ) -> dict[Any, int]:
         record = self.ledger.get(request.request_id)
-        default = self._base_hit_sources(request, num_external_tokens)
+        default = self.base_hit_sources(request, num_external_tokens)
         if record is not None and record.segments:
             return stitch.hit_sources(self, record, request) or default
         owner = None if record is None else record.owner
