@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 #: Environment every engine here needs. Set before vLLM (and torch/OpenMP) is imported:
@@ -142,3 +142,35 @@ def greedy(
     if return_outputs:
         return outputs
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def generate_by_id(
+    llm: Any,
+    requests: Iterable[tuple[str, Sequence[int]]],
+    max_tokens: int = 8,
+    *,
+    on_step: Callable[[Any], None] | None = None,
+) -> dict[str, Any]:
+    """Greedy-generate ``(request_id, prompt_token_ids)`` pairs; returns id -> RequestOutput.
+
+    Drives ``llm.llm_engine`` step by step (``greedy`` goes through ``LLM.generate``), so the
+    caller chooses the request ids (fault injection matches them) and can look at the
+    scheduler after every step.
+    """
+    from vllm.inputs import TokensPrompt
+
+    eng = llm.llm_engine
+    for req_id, tokens in requests:
+        eng.add_request(
+            req_id, TokensPrompt(prompt_token_ids=list(tokens)), sampling_params(max_tokens)
+        )
+    outputs: dict[str, Any] = {}
+    for _ in range(10_000):
+        if not eng.has_unfinished_requests():
+            return outputs
+        for out in eng.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        if on_step is not None:
+            on_step(llm)
+    raise AssertionError("engine did not finish")

@@ -8,28 +8,18 @@ from typing import Any
 
 import pytest
 
+from kvcompose.engine.llm import generate_by_id
 from kvcompose.introspect import node_stats, scheduler_connector
 from kvcompose.testing import faulty_store
-from kvcompose.testing.engine import make_llm, sampling_params
+from kvcompose.testing.engine import make_llm
 from kvcompose.testing.trees import chain, kvcompose_config, prefix_store_leaf
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
 
 def run(llm: Any, requests: dict[str, list[int]], max_tokens: int = 6) -> dict[str, list[int]]:
-    from vllm.inputs import TokensPrompt
-
-    engine = llm.llm_engine
-    for req_id, tokens in requests.items():
-        engine.add_request(
-            req_id, TokensPrompt(prompt_token_ids=tokens), sampling_params(max_tokens)
-        )
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = list(o.outputs[0].token_ids)
-    return out
+    outputs = generate_by_id(llm, requests.items(), max_tokens)
+    return {req_id: list(out.outputs[0].token_ids) for req_id, out in outputs.items()}
 
 
 def test_failed_owner_is_skipped_and_the_next_child_serves(tiny_model, tmp_path):

@@ -7,8 +7,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcompose.engine.llm import generate_by_id
 from kvcompose.engine.probe import scheduler
-from kvcompose.testing.engine import make_llm, sampling_params
+from kvcompose.testing.engine import make_llm
 
 #: The CPU attention backend needs block sizes that are multiples of 32 (16 is rejected;
 #: the CPU default is 128).
@@ -49,28 +50,8 @@ def run(
     max_tokens: int = 8,
     on_step: Callable[[Any], None] | None = None,
 ) -> dict[str, Any]:
-    """Greedy-generate ``(request_id, prompt_token_ids)`` pairs; returns id -> RequestOutput.
-
-    Drives ``llm.llm_engine`` step by step, so the test chooses the request ids (fault
-    injection matches them) and can look at the scheduler after every step.
-    """
-    from vllm.inputs import TokensPrompt
-
-    eng = llm.llm_engine
-    for req_id, tokens in requests:
-        eng.add_request(
-            req_id, TokensPrompt(prompt_token_ids=list(tokens)), sampling_params(max_tokens)
-        )
-    outputs: dict[str, Any] = {}
-    for _ in range(10_000):
-        if not eng.has_unfinished_requests():
-            return outputs
-        for out in eng.step():
-            if out.finished:
-                outputs[out.request_id] = out
-        if on_step is not None:
-            on_step(llm)
-    raise AssertionError("engine did not finish")
+    """Greedy-generate ``(request_id, prompt_token_ids)`` pairs; returns id -> RequestOutput."""
+    return generate_by_id(llm, requests, max_tokens, on_step=on_step)
 
 
 def ids(out: Any) -> list[int]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcompose.engine.llm import generate_by_id
 from kvcompose.engine.probe import scheduler
 from kvcompose.testing.engine import make_llm
 from kvcompose.testing.trees import chain, kvcompose_config, prefix_store_leaf
@@ -32,19 +33,9 @@ def sample(name: str, labels: dict[str, str]) -> float | None:
 
 
 def run(llm, req_id: str) -> list[int]:
-    from vllm.inputs import TokensPrompt
-
-    from kvcompose.testing.engine import sampling_params
-
-    eng = llm.llm_engine
-    eng.add_request(req_id, TokensPrompt(prompt_token_ids=PROMPT), sampling_params(6))
-    out: list[int] = []
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                out = list(o.outputs[0].token_ids)
+    out = list(generate_by_id(llm, [(req_id, PROMPT)], 6)[req_id].outputs[0].token_ids)
     # Background saves: vLLM keeps stepping until the held blocks are released.
-    core = eng.engine_core.engine_core
+    core = llm.llm_engine.engine_core.engine_core
     while core.scheduler.has_requests():
         core.step_fn()
     return out
