@@ -137,8 +137,8 @@ def token_block(key: str | int, n: int, *, vocab_size: int, seed: int = 0) -> li
 
 @dataclass
 class ChatParams:
-    users: int = opt(8, "chat: users")
-    new_users: int = opt(2, "chat: users with no history before the run")
+    users: int = opt(5, "chat: users")
+    new_users: int = opt(1, "chat: users with no history before the run")
     rounds: int = opt(2, "chat: measured rounds per user")
     prior_rounds: int = opt(8, "chat: rounds each returning user had before the run")
     system_prompts: int = opt(2, "chat: shared system prompts")

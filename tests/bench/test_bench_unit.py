@@ -347,7 +347,7 @@ def test_cli_options() -> None:
     assert opts.model == "builtin" and opts.contenders == [] and opts.workload == "chat"
     assert not opts.engine.enable_prefix_caching and opts.seeds == [0]
     assert (opts.chat.users, opts.engine.max_model_len, opts.contender_timeout_s) == (
-        8,
+        5,
         4096,
         1800.0,
     )
