@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+from kvcompose.engine.harness_checks import describe_scheduler, leftovers
 from kvcompose.engine.harness_results import FinishedRequest, HarnessStuck, StepResult
 from kvcompose.engine.kv_cache import make_kv_cache_configs
 
@@ -403,45 +404,18 @@ class SchedulerHarness:
         return self.kv_cache_config.num_blocks - 1
 
     def describe(self) -> str:
-        sched = self.scheduler
-        parts = [f"requests={sorted(sched.requests)}"]
-        for name in _QUEUE_ATTRS:
-            q = getattr(sched, name, None)
-            if q:
-                parts.append(f"{name}={_ids(q)}")
-        parts.append(f"free_blocks={self.num_free_blocks()}/{self.num_usable_blocks()}")
-        return ", ".join(parts)
+        return describe_scheduler(self.scheduler, self.num_free_blocks(), self.num_usable_blocks())
 
     def assert_clean(self) -> None:
         """Assert that nothing is left: no request in any scheduler queue, every block back
         in the free pool (the null block aside), no pending finished ids, and — for each
         connector that has ``live_requests()`` — no per-request state."""
-        sched = self.scheduler
-        problems: list[str] = []
-        if sched.requests:
-            statuses = {r: req.status.name for r, req in sched.requests.items()}
-            problems.append(f"scheduler.requests not empty: {statuses}")
-        for name in _QUEUE_ATTRS:
-            q = getattr(sched, name, None)
-            if q:
-                problems.append(f"scheduler.{name} not empty: {_ids(q)}")
-        deferred_frees = getattr(sched, "deferred_frees", None)
-        if deferred_frees:
-            problems.append(f"scheduler.deferred_frees not empty ({len(deferred_frees)})")
-        free, usable = self.num_free_blocks(), self.num_usable_blocks()
-        if free != usable:
-            problems.append(
-                f"{usable - free} KV blocks not returned to the pool ({free} free of {usable})"
-            )
-        for label, conn in (
-            ("connector", self.connector),
-            ("worker_connector", self.worker_connector),
-        ):
-            live = getattr(conn, "live_requests", None)
-            if callable(live):
-                left = live()
-                if left:
-                    problems.append(f"{label}.live_requests() not empty: {left!r}")
+        problems = leftovers(
+            self.scheduler,
+            self.num_free_blocks(),
+            self.num_usable_blocks(),
+            {"connector": self.connector, "worker_connector": self.worker_connector},
+        )
         if problems:
             raise AssertionError("harness not clean:\n  " + "\n  ".join(problems))
 
@@ -456,22 +430,3 @@ class SchedulerHarness:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# Scheduler containers that hold requests (names differ between vLLM versions; missing
-# ones are skipped). ``finished_req_ids`` is flushed by the next schedule().
-_QUEUE_ATTRS = (
-    "waiting",
-    "running",
-    "kv_holding_waiting",
-    "deferred_waiting",
-    "skipped_waiting",
-    "finished_recving_kv_req_ids",
-    "failed_recving_kv_req_ids",
-    "_inflight_prefills",
-    "finished_req_ids",
-)
-
-
-def _ids(queue: Any) -> list[str]:
-    return sorted(getattr(x, "request_id", str(x)) for x in queue)
