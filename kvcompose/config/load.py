@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -15,12 +13,10 @@ from pydantic import ValidationError
 from kvcompose.config.compile import NodeInfo, Translate, check_tree, compile_document
 from kvcompose.config.document import document_from_tree
 from kvcompose.config.env import (
-    ENV_CONFIG_FILE,
     Override,
     apply_override,
     env_overrides,
     environ,
-    mapping_overrides,
 )
 from kvcompose.config.errors import (
     ConfigError,
@@ -31,9 +27,9 @@ from kvcompose.config.errors import (
     line_for,
     located,
     shown,
-    shown_list,
 )
-from kvcompose.config.include import Referrer, including
+from kvcompose.config.extra_config import EXTRA_CONFIG, opened, split_extra
+from kvcompose.config.include import including
 from kvcompose.config.loaded import Config, identity
 from kvcompose.config.messages import items_from_validation
 from kvcompose.config.plain import check_plain
@@ -50,7 +46,6 @@ from kvcompose.tree import (
 
 #: Names vLLM loads the composite under.
 COMPOSITE_NAMES = ("KVCompose", "KVComposeHMA")
-EXTRA_CONFIG = "kv_connector_extra_config"
 #: Leaves whose connector is a kvcompose composite, with a tree of its own in
 #: ``extra_config``: (connector, module_path).
 NESTED_COMPOSITES = frozenset(
@@ -152,27 +147,6 @@ def vllm_available() -> bool:
 # --------------------------------------------------------------------------- pipeline
 
 
-@dataclass
-class _Found:
-    """Where an extra config's document is: inline, or in a file named at ``referrer``;
-    and the override keys given next to it."""
-
-    overrides: list[Override]
-    inline: Source | None = None
-    file: str | None = None
-    referrer: Referrer | None = None
-
-
-@contextlib.contextmanager
-def _opened(found: _Found) -> Iterator[Source]:
-    if found.inline is not None:
-        yield found.inline
-    else:
-        assert found.file is not None
-        with including(found.file, found.referrer) as src:
-            yield src
-
-
 def _from_extra(
     extra: dict[str, Any],
     env: Mapping[str, str],
@@ -184,8 +158,8 @@ def _from_extra(
     KVCompose leaf's ``extra_config``), ``()`` for vLLM's own."""
     if TREE_KEY in extra:
         return _internal(extra[TREE_KEY], outer.label, (*prefix, TREE_KEY))
-    found = _split_extra(extra, env, outer, prefix)
-    with _opened(found) as src:
+    found = split_extra(extra, env, outer, prefix)
+    with opened(found) as src:
         translate = identity
         if found.inline is not None and prefix:
 
@@ -231,57 +205,6 @@ def _internal(data: Any, label: str | None, where: Path) -> Config:
             for _, n in walk(tree)
         },
     )
-
-
-def _split_extra(
-    extra: dict[str, Any], env: Mapping[str, str], outer: Source, prefix: Path
-) -> _Found:
-    """Where the document of an extra config comes from, and the override keys given next
-    to it."""
-    label = outer.label or EXTRA_CONFIG
-    late: list[Override] = []
-    if "set" in extra:
-        late = mapping_overrides(extra.pop("set"), _dotted(prefix, "set"))
-    has_tree = "connectors" in extra or "tree" in extra or any(k in extra for k in NODE_KINDS)
-    if has_tree and "config" not in extra:
-        return _Found(late, inline=Source(extra, label, outer.linemap, outer.path))
-    top = [
-        Override(_dotted(prefix, key), key, value)
-        for key, value in extra.items()
-        if key != "config"
-    ]
-    if "config" in extra:
-        path = extra["config"]
-        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-            got = "an empty string" if path == "" else describe(path)
-            raise ConfigError(
-                located(outer.linemap, (*prefix, "config"), f"expected a file path, got {got}"),
-                label,
-            )
-        return _Found(
-            top + late,
-            file=os.fspath(path),
-            referrer=Referrer(label, (*prefix, "config"), outer.linemap),
-        )
-    if env.get(ENV_CONFIG_FILE):
-        return _Found(top + late, file=env[ENV_CONFIG_FILE], referrer=Referrer(ENV_CONFIG_FILE))
-    got = shown_list(repr(k) for k in extra) or "none"
-    needs = "a nested KVCompose connector needs its own tree: " if prefix else ""
-    raise ConfigError(
-        located(
-            outer.linemap,
-            prefix,
-            f"{needs}no tree given: expected 'tree' "
-            "(an inline tree), 'config' (a file path) or 'connectors' "
-            f"(MultiConnector form), or set {ENV_CONFIG_FILE}; got keys: "
-            f"{got}",
-        ),
-        label,
-    )
-
-
-def _dotted(prefix: Path, key: str) -> str:
-    return format_path((*prefix, key)) if prefix else f"{EXTRA_CONFIG}.{key}"
 
 
 def _load_source(
@@ -335,9 +258,9 @@ def _from_composite_args(
             env=env,
             origin="internal",
         )
-    found = _split_extra(dict(extra), env, src, (EXTRA_CONFIG,))
+    found = split_extra(dict(extra), env, src, (EXTRA_CONFIG,))
     everything = env_overrides(env) + found.overrides + list(overrides)
-    with _opened(found) as inner:
+    with opened(found) as inner:
         if not isinstance(inner.data, Mapping):
             raise ConfigError(
                 f"expected a mapping at the top level, got {describe(inner.data)}", inner.label

@@ -23,6 +23,7 @@ from kvcompose.config.errors import (
     line_for,
     shown,
 )
+from kvcompose.config.extra_config import EXTRA_CONFIG
 from kvcompose.config.source import Source
 from kvcompose.tree import (
     DEFAULT_LOOKUP_TIMEOUT_S,
@@ -33,7 +34,6 @@ from kvcompose.tree import (
     Leaf,
 )
 
-EXTRA = "kv_connector_extra_config"
 MULTI = "MultiConnector"
 COMPAT_MODULE = "kvcompose.compat"
 #: Document keys accepted next to ``connectors`` in the extra config.
@@ -68,7 +68,7 @@ def document_from_multiconnector(
     """A kvcompose document from MultiConnector JSON (the whole ``--kv-transfer-config``
     or just its extra config), and a function mapping document paths back to JSON paths."""
 
-    prefix: Path = (EXTRA,) if "kv_connector" in data else ()
+    prefix: Path = (EXTRA_CONFIG,) if "kv_connector" in data else ()
 
     def back(path: Path) -> Path:
         return translate(_translate(path, prefix))
@@ -88,7 +88,7 @@ def document_from_multiconnector(
         for key, value in data.items():
             if key not in OWN_FIELDS:
                 _put_field(doc, key, value)
-        extra = data.get(EXTRA)
+        extra = data.get(EXTRA_CONFIG)
         if not isinstance(extra, Mapping) or "connectors" not in extra:
             real = translate(prefix)
             raise ConfigError(
@@ -155,7 +155,7 @@ def _chain(extra: Mapping[str, Any], fields: tuple[str, ...], fail: Any) -> dict
             None,
             COMPAT_MODULE,
         ):
-            nested = child.get(EXTRA)
+            nested = child.get(EXTRA_CONFIG)
             if not isinstance(nested, Mapping):
                 raise fail(
                     here[:-1], "a nested MultiConnector needs kv_connector_extra_config.connectors"
@@ -197,7 +197,7 @@ def _translate(path: Path, prefix: Path) -> Path:
         if not rest:
             return out
         if rest[0] == "chain":
-            out = (*out, EXTRA)
+            out = (*out, EXTRA_CONFIG)
             rest = rest[1:]
             continue
         rest = rest[1:]  # "leaf"
@@ -269,7 +269,7 @@ def multiconnector_from_config(
                 continue  # MultiConnector passes the parent's engine_id itself
             entry[key] = value
         if child.extra_config:
-            entry[EXTRA] = dict(child.extra_config)
+            entry[EXTRA_CONFIG] = dict(child.extra_config)
         if child.on_error != "miss" and not compat:
             notes.append(
                 f"leaf {child.name!r}: on_error is a kvcompose setting; "
@@ -280,7 +280,7 @@ def multiconnector_from_config(
     if compat:
         out["kv_connector_module_path"] = COMPAT_MODULE
     out.update(top)
-    out[EXTRA] = {"connectors": children}
+    out[EXTRA_CONFIG] = {"connectors": children}
     if not compat and any(leaf.on_error == "miss" for leaf in tree.children):
         notes.append(
             "vLLM's MultiConnector has no on_error policy: a child's error reaches "
@@ -293,7 +293,7 @@ def document_notes(data: Mapping[str, Any], doc: Mapping[str, Any]) -> list[str]
     """What changes when a MultiConnector config is read by kvcompose: children now inherit
     the top-level fields they do not set."""
     notes = []
-    extra = data.get(EXTRA) if "kv_connector" in data else data
+    extra = data.get(EXTRA_CONFIG) if "kv_connector" in data else data
     top = {k: v for k, v in data.items() if k in TRANSFER_FIELDS and k != "engine_id"}
     if not isinstance(extra, Mapping):
         return notes
