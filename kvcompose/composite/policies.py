@@ -14,13 +14,13 @@ Route asks exactly one child (chosen by its rules), fan-out one designated child
 
 from __future__ import annotations
 
-import importlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvcompose import tree as nodes
+from kvcompose.tree import load_predicate, matches
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -69,7 +69,7 @@ class RouteLookup(LookupPolicy):
     """
 
     def __init__(self, rules: tuple[nodes.RouteRule, ...], index: Mapping[str, int], default: str):
-        self._rules = [(rule, index[rule.child], _load_predicate(rule.predicate)) for rule in rules]
+        self._rules = [(rule, index[rule.child], load_predicate(rule.predicate)) for rule in rules]
         self._default = Candidates((index[default],), f"route/default→{default}")
         self._reasons = [
             Candidates((i,), f"route/rule{n}→{rule.child}")
@@ -80,7 +80,7 @@ class RouteLookup(LookupPolicy):
     def candidates(self, request: Request) -> Candidates:
         for n, (rule, _, predicate) in enumerate(self._rules):
             try:
-                if _matches(rule, predicate, request):
+                if matches(rule, predicate, request):
                     return self._reasons[n]
             except Exception as exc:  # a user predicate or malformed params
                 if n not in self._broken:
@@ -94,34 +94,6 @@ class RouteLookup(LookupPolicy):
                         exc,
                     )
         return self._default
-
-
-def _load_predicate(path: str | None) -> Callable[[Any], bool] | None:
-    if path is None:
-        return None
-    module_name, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
-
-
-def _matches(
-    rule: nodes.RouteRule, predicate: Callable[[Any], bool] | None, request: Request
-) -> bool:
-    if rule.param is not None:
-        params = request.kv_transfer_params
-        if params is None:
-            return False
-        if not isinstance(params, Mapping):
-            raise TypeError(f"kv_transfer_params is {type(params).__name__}, not a dict")
-        if rule.param not in params:
-            return False
-        if rule.has_equals and params[rule.param] != rule.equals:
-            return False
-    num_prompt = request.num_prompt_tokens
-    if rule.min_prompt_tokens is not None and num_prompt < rule.min_prompt_tokens:
-        return False
-    if rule.max_prompt_tokens is not None and num_prompt > rule.max_prompt_tokens:
-        return False
-    return predicate is None or bool(predicate(request))
 
 
 def policy_for(spec: nodes.Composite) -> LookupPolicy:

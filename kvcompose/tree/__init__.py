@@ -5,6 +5,7 @@ documents into them, and the CLI, bench and tests build and print them. Pure pyd
 vLLM, no YAML.
 """
 
+from kvcompose.tree.conditions import RequestCondition, load_predicate, matches
 from kvcompose.tree.document import VERSION, Document, json_schema
 from kvcompose.tree.fields import (
     DEFAULT_LOOKUP_TIMEOUT_S,
@@ -51,6 +52,7 @@ __all__ = [
     "Fanout",
     "Leaf",
     "Node",
+    "RequestCondition",
     "Route",
     "RouteRule",
     "child_transfer_config",
@@ -60,6 +62,8 @@ __all__ = [
     "inherited_fields",
     "json_schema",
     "leaves",
+    "load_predicate",
+    "matches",
     "parse_node",
     "transfer_dict",
     "walk",

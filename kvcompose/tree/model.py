@@ -33,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvcompose.tree.conditions import RequestCondition
 from kvcompose.tree.fields import (
     DEFAULT_LOOKUP_TIMEOUT_S,
     NAME_PATTERN,
@@ -225,7 +226,7 @@ class Fanout(_Node):
     children: Children
 
 
-class RouteRule(_Model):
+class RouteRule(RequestCondition):
     """Sends a request's lookup to ``child`` when every condition given here holds.
 
     - ``param``: a key of the request's ``kv_transfer_params`` must be present
@@ -234,62 +235,13 @@ class RouteRule(_Model):
     - ``predicate``: ``"package.module:function"``, called as ``function(request) -> bool``.
     """
 
-    param: str | None = Field(
-        None, description="A key that must be present in the request's `kv_transfer_params`."
+    EMPTY_HINT: ClassVar[str] = (
+        "a rule needs a condition (param, min_prompt_tokens, "
+        "max_prompt_tokens or predicate); use the route's 'default' for "
+        "the catch-all child"
     )
-    equals: Any = Field(
-        None, description="With `param`: the value that key must have (any JSON value)."
-    )
-    min_prompt_tokens: int | None = Field(
-        None, ge=0, description="The prompt must have at least this many tokens."
-    )
-    max_prompt_tokens: int | None = Field(
-        None, ge=0, description="The prompt must have at most this many tokens."
-    )
-    predicate: str | None = Field(
-        None, description="`package.module:function`, called as `function(request) -> bool`."
-    )
+
     child: str = Field(..., description="Name of the child that handles matching requests.")
-
-    @property
-    def has_equals(self) -> bool:
-        return "equals" in self.model_fields_set
-
-    @model_validator(mode="after")
-    def _conditions(self) -> RouteRule:
-        if self.has_equals and self.param is None:
-            raise custom_error("'equals' needs 'param' (the kv_transfer_params key to compare)")
-        if (
-            self.param is None
-            and self.min_prompt_tokens is None
-            and self.max_prompt_tokens is None
-            and self.predicate is None
-        ):
-            raise custom_error(
-                "a rule needs a condition (param, min_prompt_tokens, "
-                "max_prompt_tokens or predicate); use the route's 'default' for "
-                "the catch-all child"
-            )
-        if (
-            self.min_prompt_tokens is not None
-            and self.max_prompt_tokens is not None
-            and self.min_prompt_tokens > self.max_prompt_tokens
-        ):
-            raise custom_error(
-                f"min_prompt_tokens ({self.min_prompt_tokens}) is greater than "
-                f"max_prompt_tokens ({self.max_prompt_tokens})"
-            )
-        if self.predicate is not None:
-            module, _, attr = self.predicate.partition(":")
-            if (
-                not module
-                or not attr
-                or not all(part.isidentifier() for part in module.split(".") + attr.split("."))
-            ):
-                raise custom_error(
-                    f"predicate {self.predicate!r} is not of the form 'package.module:function'"
-                )
-        return self
 
 
 class Route(_Node):
