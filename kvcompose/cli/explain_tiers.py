@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcompose.tree import Leaf, Node
+from kvcompose.tree.conditions import RequestCondition, describe_condition
 
 STORE_CONNECTORS = {"PrefixStoreConnector", "FaultyPrefixStoreConnector"}
 
@@ -44,6 +45,12 @@ def admission_text(extra: dict[str, Any]) -> str:
         parts.append(f"prompts >= {extra['admit_min_prompt_tokens']} tokens")
     if int(extra.get("admit_min_seen", 1) or 1) > 1:
         parts.append(f"chunks seen >= {extra['admit_min_seen']} times")
+    when = extra.get("admit_when")
+    if isinstance(when, dict):
+        try:
+            parts.append(f"requests where {describe_condition(RequestCondition(**when))}")
+        except (ValueError, TypeError):  # validate reports it; explain shows it as written
+            parts.append(f"requests where {when!r} (invalid)")
     mode = extra.get("save_mode", "sync")
     how = (
         f"written by a background writer (queue {extra.get('max_pending_saves', 64)} chunks, "

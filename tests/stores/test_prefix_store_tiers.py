@@ -58,10 +58,15 @@ def harness(model_dir: Path, cfg: dict[str, Any]) -> SchedulerHarness:
     return h
 
 
-def run(h: SchedulerHarness, prompt: list[int], req_id: str) -> None:
+def run(
+    h: SchedulerHarness,
+    prompt: list[int],
+    req_id: str,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> None:
     """Run one request to the end, its background writes included (the harness's steps
     are a tight loop, so the writer thread is given the time to write first)."""
-    h.add_request(prompt, max_tokens=2, request_id=req_id)
+    h.add_request(prompt, max_tokens=2, request_id=req_id, kv_transfer_params=kv_transfer_params)
     while req_id not in h.finished:
         h.step()
     for writer in writers(h):
@@ -147,6 +152,62 @@ def test_admission_by_prompt_length_and_frequency(tiny_model_dir: Path, tmp_path
     t = h.connector.connector_scheduler.total_stats.data
     assert t["rejects"] == 2 + 2 + 4 and t["admits"] == 4
     h.close()
+
+
+def premium_only(request: Any) -> bool:
+    """An ``admit_when`` predicate (imported by the store as ``module:function``)."""
+    return (request.kv_transfer_params or {}).get("tenant") == "premium"
+
+
+def broken_predicate(request: Any) -> bool:
+    raise RuntimeError("predicate bug")
+
+
+@pytest.mark.parametrize(
+    "admit_when",
+    [
+        {"param": "tenant", "equals": "premium"},
+        {"predicate": f"{__name__}:premium_only"},
+    ],
+    ids=["param-equals", "predicate"],
+)
+def test_admission_by_request_condition(
+    tiny_model_dir: Path, tmp_path: Path, admit_when: dict[str, Any]
+):
+    """``admit_when`` takes a route rule's conditions: only the requests it selects are
+    saved; the others are rejected chunk by chunk and counted."""
+    h = harness(tiny_model_dir, store_cfg(tmp_path / "kv", admit_when=admit_when))
+    free = h.make_prompt(3 * BLOCK + 5, seed="free")
+    paid = h.make_prompt(2 * BLOCK + 5, seed="paid")
+    run(h, free, "f1", {"tenant": "free"})
+    run(h, free, "f2")  # no kv_transfer_params at all
+    assert store_usage(tmp_path / "kv")["files"] == 0
+    run(h, paid, "p1", {"tenant": "premium"})
+    assert stored_chunks(h, paid) == 2 and stored_chunks(h, free) == 0
+    t = h.connector.connector_scheduler.total_stats.data
+    assert (t["rejects"], t["admits"]) == (3 + 3, 2)
+    h.close()
+
+
+def test_admission_condition_that_raises_rejects(tiny_model_dir: Path, tmp_path: Path):
+    h = harness(
+        tiny_model_dir,
+        store_cfg(tmp_path / "kv", admit_when={"predicate": f"{__name__}:broken_predicate"}),
+    )
+    run(h, h.make_prompt(2 * BLOCK + 5, seed="x"), "x")
+    assert store_usage(tmp_path / "kv")["files"] == 0
+    assert h.connector.connector_scheduler.total_stats.data["rejects"] == 2
+    h.close()
+
+
+def test_admission_predicate_that_cannot_be_imported_fails_at_start(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    with pytest.raises(Exception, match=r"admit_when.predicate 'no_such_module_x:f' cannot be"):
+        harness(
+            tiny_model_dir,
+            store_cfg(tmp_path / "kv", admit_when={"predicate": "no_such_module_x:f"}),
+        )
 
 
 def test_admission_counters_reach_vllm_stats(tiny_model_dir: Path, tmp_path: Path):

@@ -3,18 +3,32 @@
 A small fast tier that saves every new prompt fills with chunks seen once and evicts the
 ones that recur; an admission rule keeps those out (Dynamo KVBM's ``presence``/
 ``presence_lfu`` filters, SGLang HiCache's selective write-through do the same). The rule
-is per store: ``admit_min_prompt_tokens`` (short prompts are cheap to recompute) and
+is per store: ``admit_min_prompt_tokens`` (short prompts are cheap to recompute),
 ``admit_min_seen`` (a chunk is saved once ``K`` requests have carried it, counted in a
 count-min sketch of fixed size that halves its counters now and then, so old popularity
-fades). Chunks another tier loaded for the request are saved whatever the rule says when
-the store has ``promote: true`` (see :mod:`kvcompose.stores.prefix.scheduler`).
+fades) and ``admit_when`` (only requests that meet a route rule's conditions: a
+``kv_transfer_params`` key, prompt-length bounds, a predicate). Chunks another tier
+loaded for the request are saved whatever the rule says when the store has
+``promote: true`` (see :mod:`kvcompose.stores.prefix.scheduler`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvcompose.tree.conditions import (
+    Predicate,
+    RequestCondition,
+    describe_condition,
+    load_predicate,
+    matches,
+)
+
+if TYPE_CHECKING:
+    from kvcompose.stores.prefix.config import PrefixStoreConfig
 
 
 class FrequencySketch:
@@ -69,10 +83,34 @@ class AdmissionRule:
     min_prompt_tokens: int = 0
     min_seen: int = 1
     promote: bool = False
+    #: Only requests meeting these conditions are saved (None: every request).
+    when: RequestCondition | None = None
+    predicate: Predicate | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_config(cls, config: PrefixStoreConfig) -> AdmissionRule:
+        """The rule a store's config sets; its ``admit_when`` predicate imported now, so a
+        wrong name fails the engine's start with one line instead of every save."""
+        when = config.admit_when
+        try:
+            predicate = load_predicate(when.predicate) if when is not None else None
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(
+                f"PrefixStoreConnector: admit_when.predicate {when.predicate!r} "  # type: ignore[union-attr]
+                f"cannot be loaded: {exc}"
+            ) from None
+        return cls(
+            config.admit_min_prompt_tokens, config.admit_min_seen, config.promote, when, predicate
+        )
 
     @property
     def everything(self) -> bool:
-        return self.min_prompt_tokens <= 0 and self.min_seen <= 1
+        return self.min_prompt_tokens <= 0 and self.min_seen <= 1 and self.when is None
+
+    def selects(self, request: Any) -> bool:
+        """Whether ``admit_when`` selects vLLM's ``request`` (raises when it cannot be
+        judged; see ``kvcompose.tree.conditions.matches``)."""
+        return self.when is None or matches(self.when, self.predicate, request)
 
     def describe(self) -> str:
         """One line for ``kvcompose explain``."""
@@ -81,6 +119,8 @@ class AdmissionRule:
             parts.append(f"prompts >= {self.min_prompt_tokens} tokens")
         if self.min_seen > 1:
             parts.append(f"chunks seen >= {self.min_seen} times")
+        if self.when is not None:
+            parts.append(f"requests where {describe_condition(self.when)}")
         rule = " and ".join(parts) if parts else "every save"
         if self.promote:
             rule += "; chunks another tier loaded are promoted into it"

@@ -13,6 +13,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvcompose.tree.conditions import RequestCondition
+
 
 class PrefixStoreConfig(BaseModel):
     """The parsed ``kv_connector_extra_config`` (see :mod:`kvcompose.stores.prefix`)."""
@@ -37,6 +39,10 @@ class PrefixStoreConfig(BaseModel):
         "admit_min_prompt_tokens": "must be an int >= 0",
         "admit_min_seen": "must be an int >= 1",
         "promote": "must be a bool",
+        "admit_when": (
+            "must be a mapping of request conditions (param/equals, min_prompt_tokens, "
+            "max_prompt_tokens, predicate), as a route rule's"
+        ),
     }
     #: Keys this class no longer accepts, with where they went.
     MOVED: ClassVar[dict[str, str]] = {
@@ -74,6 +80,11 @@ class PrefixStoreConfig(BaseModel):
     admit_min_seen: Annotated[
         int, Field(ge=1, description="Save a chunk once requests have shown it this many times.")
     ] = 1
+    admit_when: RequestCondition | None = Field(
+        None,
+        description="Save only requests that meet these conditions (a route rule's: "
+        "`param`/`equals`, prompt-length bounds, `predicate`).",
+    )
     promote: bool = Field(
         False, description="Store chunks another tier loaded, whatever the admission rule."
     )
@@ -117,6 +128,10 @@ class PrefixStoreConfig(BaseModel):
         if key == "path":
             return f"{cls.CONNECTOR}: kv_connector_extra_config.path is required"
         rule = cls.RULES.get(key)
+        if key == "admit_when" and isinstance(extra.get(key), dict):
+            inner = ".".join(str(part) for part in errors[0]["loc"][1:])
+            where = f"admit_when.{inner}" if inner else "admit_when"
+            return f"{cls.CONNECTOR}: {where}: {errors[0]['msg']}"
         if rule is None:
             return f"{cls.CONNECTOR}: {key}: {errors[0]['msg']}"
         return f"{cls.CONNECTOR}: {key} {rule}, got {extra.get(key)!r}"

@@ -57,6 +57,8 @@ class _ReqState:
     #: first scheduled (this store's own loads are stored here already): promotion range.
     local_hit: int | None = None
     first_computed: int | None = None
+    #: Whether the store's ``admit_when`` selects the request (judged once, on first save).
+    selected: bool | None = None
 
 
 class PrefixStoreScheduler:
@@ -103,9 +105,8 @@ class PrefixStoreScheduler:
         #: Chunks queued for the background writer and not yet reported written or dropped:
         #: offered to lookups (the worker copies them from the held blocks).
         self._queued: set[str] = set()
-        self.admission = AdmissionRule(
-            config.admit_min_prompt_tokens, config.admit_min_seen, config.promote
-        )
+        self.admission = AdmissionRule.from_config(config)
+        self._warned_condition = False
         self._sketch = FrequencySketch() if config.admit_min_seen > 1 else None
         #: Admits, rejects and promotions since the last stats collection, and since start.
         self.stats = PrefixStoreStats()
@@ -349,11 +350,31 @@ class PrefixStoreScheduler:
             return True
         if rule.everything:
             return True
-        ok = prompt_len >= rule.min_prompt_tokens and (
-            self._sketch is None or self._sketch.count(key) >= rule.min_seen
+        ok = (
+            prompt_len >= rule.min_prompt_tokens
+            and self._selected(state)
+            and (self._sketch is None or self._sketch.count(key) >= rule.min_seen)
         )
         self._count(**{"admits" if ok else "rejects": 1})
         return ok
+
+    def _selected(self, state: _ReqState) -> bool:
+        """``admit_when`` for the request, judged once; a condition that cannot be judged
+        (a predicate raising, non-dict ``kv_transfer_params``) rejects, logged once."""
+        if state.selected is None:
+            try:
+                state.selected = self.admission.selects(state.request)
+            except Exception as exc:  # a user predicate or malformed params
+                state.selected = False
+                if not self._warned_condition:
+                    self._warned_condition = True
+                    logger.error(
+                        "PrefixStoreConnector: admit_when failed on request %s: %s; "
+                        "its saves are rejected (logged once)",
+                        state.request.request_id,
+                        exc,
+                    )
+        return state.selected
 
     def _count(self, **counts: int) -> None:
         self.stats.add(**counts)
