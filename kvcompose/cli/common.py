@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from kvcompose.cli.store_checks import check_stores
 from kvcompose.config import Config, load_config, vllm_available
 from kvcompose.config.env import Override, parse_assignments
 
@@ -85,12 +86,14 @@ def load(args: argparse.Namespace, path: str) -> Config:
         source: Any = read_stream(stream)
     else:
         source = path
-    return load_config(
+    config = load_config(
         source,
         env={} if args.no_env else None,
         overrides=cli_overrides(args),
         check_vllm=check_vllm(args),
     )
+    check_stores(config)
+    return config
 
 
 def console(stderr: bool = False) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -403,3 +404,62 @@ def test_explain_the_stitch_example(run_cli) -> None:
     code, out, err = run_cli("explain", "--offline", str(EXAMPLES / "stitch-tiers.yaml"))
     assert code == 0, err
     assert out.count("load range: native") == 2
+
+
+STORE_TIERS = """\
+version: 1
+tree:
+  chain:
+    name: tiers
+    children:
+      - leaf:
+          name: fast
+          connector: PrefixStoreConnector
+          module_path: kvcompose.stores
+          extra_config: {path: /dev/shm/kv, admit_when: {param: tenant, equals: premium}}
+      - leaf:
+          name: disk
+          connector: PrefixStoreConnector
+          module_path: kvcompose.stores
+          extra_config: {path: /tmp/kv, chunk_blocks: 0}
+"""
+
+
+def test_validate_checks_kvcompose_store_leaves(run_cli, tmp_path: Path) -> None:
+    """A store leaf's ``extra_config`` is read by the store's own model: what the engine
+    would refuse at start is an error here, with the line."""
+    bad = tmp_path / "stores.yaml"
+    bad.write_text(STORE_TIERS)
+    code, _, err = run_cli("validate", "--offline", str(bad))
+    assert code == 1
+    assert err == (
+        f"{bad}:15: tree.chain.children[1].leaf.extra_config: PrefixStoreConnector: "
+        "chunk_blocks must be an int >= 1, got 0\n"
+    )
+    good = tmp_path / "good.yaml"
+    good.write_text(STORE_TIERS.replace(", chunk_blocks: 0", ""))
+    code, out, _ = run_cli("validate", "--offline", str(good))
+    assert (code, out) == (0, f"{good}: ok (3 nodes, 2 leaves; vLLM not checked)\n")
+    code, out, _ = run_cli("explain", "--offline", str(good))
+    assert code == 0
+    assert "requests where kv_transfer_params has 'tenant' == 'premium'" in out
+
+
+@pytest.mark.timeout(120)
+def test_validate_of_store_leaves_imports_no_vllm(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(STORE_TIERS.replace(", chunk_blocks: 0", ""))
+    code = (
+        "import sys\n"
+        "from kvcompose.cli.main import main\n"
+        f"status = main(['validate', '-q', {str(good)!r}])\n"
+        "print(status, 'vllm' in sys.modules, 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.stdout.split() == ["0", "False", "False"], proc.stderr[-2000:]

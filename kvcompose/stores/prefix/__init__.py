@@ -44,9 +44,11 @@ Load it with::
     ``max_pending_saves`` queued chunks.
 ``max_bytes`` (int >= 1, optional)
     Cap on the bytes of chunk files, evicted like ``max_chunks``.
-``admit_min_prompt_tokens`` (default 0), ``admit_min_seen`` (default 1), ``promote``
-    Admission: save only prompts this long, only chunks this many requests carried;
-    ``promote: true`` saves chunks another tier loaded whatever the rule.
+``admit_min_prompt_tokens`` (default 0), ``admit_min_seen`` (default 1), ``admit_when``,
+``promote``
+    Admission: save only prompts this long, only chunks this many requests carried, only
+    requests meeting ``admit_when`` (a route rule's conditions); ``promote: true`` saves
+    chunks another tier loaded whatever the rule.
 ``medium`` ("cpu" | "tmpfs" | "disk" | "remote", default: from the mount)
     The vLLM hit source and the KV cache events' medium.
 
@@ -83,17 +85,35 @@ scheduler to workers), ``stats`` and ``prom`` (counters, Prometheus), ``admissio
 vLLM class, delegating by role).
 """
 
+from importlib import import_module
+from typing import Any
+
 from kvcompose.stores.prefix.config import PrefixStoreConfig
-from kvcompose.stores.prefix.connector import PrefixStoreConnector
-from kvcompose.stores.prefix.files import chunk_file_name, store_usage
-from kvcompose.stores.prefix.keys import chunk_keys, lookup_limit_chunks
-from kvcompose.stores.prefix.metadata import (
-    ChunkLoad,
-    LoadSpec,
-    PrefixStoreMetadata,
-    SaveSpec,
-)
-from kvcompose.stores.prefix.stats import PrefixStoreStats
+
+# Everything else imports vLLM and torch: loaded on first use (PEP 562), so that reading or
+# checking a store's config (``kvcompose validate``) stays as quick as the config layer.
+_LAZY = {
+    "PrefixStoreConnector": "connector",
+    "chunk_file_name": "files",
+    "store_usage": "files",
+    "chunk_keys": "keys",
+    "lookup_limit_chunks": "keys",
+    "ChunkLoad": "metadata",
+    "LoadSpec": "metadata",
+    "PrefixStoreMetadata": "metadata",
+    "SaveSpec": "metadata",
+    "PrefixStoreStats": "stats",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ChunkLoad",
