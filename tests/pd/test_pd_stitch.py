@@ -93,6 +93,7 @@ def bed(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             assert_crossed(whole)
             assert whole.transfers == 1 and whole.p_blocks == PROMPT_BLOCKS
             assert_clean(prefill, decode)
+            print(f"whole pull: {whole.row()}")
             yield Bed(prefill, decode, ref, whole.bytes_moved / PROMPT_BLOCKS)
         finally:
             decode.close()
