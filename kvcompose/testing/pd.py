@@ -156,6 +156,18 @@ def worker_connectors(llm: Any) -> dict[str, Any]:
     return {n.path: n.connector for n in walk_connectors(root)}
 
 
+def store_totals(llm: Any) -> dict[str, dict[str, Any]]:
+    """Cumulative worker-side counters (``tokens_loaded``, ``bytes_loaded``, ...) of every
+    connector in the tree that keeps them (kvcompose's stores), by path."""
+    out: dict[str, dict[str, Any]] = {}
+    for path, conn in worker_connectors(llm).items():
+        totals = getattr(conn, "total_stats", None)
+        data = getattr(totals, "data", None)
+        if isinstance(data, dict):
+            out[path] = dict(data)
+    return out
+
+
 def connector_paths(llm: Any, side: str = "scheduler") -> dict[str, str]:
     """Path → class name of every connector in the tree (``side``: scheduler or worker)."""
     tree = scheduler_connectors(llm) if side == "scheduler" else worker_connectors(llm)

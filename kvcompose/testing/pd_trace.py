@@ -21,13 +21,15 @@ _TRACE: dict[str, Any] = {}
 
 
 def trace_on(llm: Any) -> None:
-    """Record, with ``time.monotonic()`` stamps: every scheduler step; every block free of a
-    request (``free``: request id, blocks); and for every connector of the scheduler-side
-    tree, each ``lookup`` (what it answered), ``alloc`` (the tokens it was told) and
-    ``finished`` (whether it delays the free). Idempotent; ``take_trace`` reads it."""
+    """Record, with ``time.monotonic()`` stamps: every scheduler step, and the tokens each
+    step scheduled per request (``scheduled``: what the engine computed, so a load that
+    failed shows as recomputed tokens); every block free of a request (``free``: request id,
+    blocks); and for every connector of the scheduler-side tree, each ``lookup`` (what it
+    answered), ``alloc`` (the tokens it was told) and ``finished`` (whether it delays the
+    free). Idempotent; ``take_trace`` reads it."""
     if "trace" in _TRACE:
         return
-    trace: dict[str, Any] = {"steps": 0, "step_times": [], "events": []}
+    trace: dict[str, Any] = {"steps": 0, "step_times": [], "events": [], "scheduled": {}}
     _TRACE["trace"] = trace
     sched = probe.scheduler(llm)
     events = trace["events"]
@@ -40,7 +42,11 @@ def trace_on(llm: Any) -> None:
         times.append(time.monotonic())
         if len(times) > 20000:
             del times[:10000]
-        return orig_schedule(*a, **kw)
+        out = orig_schedule(*a, **kw)
+        scheduled = trace["scheduled"]
+        for req_id, n in out.num_scheduled_tokens.items():
+            scheduled[req_id] = scheduled.get(req_id, 0) + n
+        return out
 
     sched.schedule = schedule
 
@@ -133,18 +139,21 @@ def _wrap_connector(conn: Any, path: str, trace: dict[str, Any]) -> None:
 
 
 def take_trace(llm: Any, clear: bool = True) -> dict[str, Any]:
-    """The recorded events (and step times) since ``trace_on`` or the last ``take_trace``."""
+    """The recorded events, step times and scheduled tokens per request since ``trace_on``
+    or the last ``take_trace``."""
     trace = _TRACE.get("trace")
     if trace is None:
-        return {"steps": None, "step_times": [], "events": []}
+        return {"steps": None, "step_times": [], "events": [], "scheduled": {}}
     out = {
         "steps": trace["steps"],
         "step_times": list(trace["step_times"]),
         "events": list(trace["events"]),
+        "scheduled": dict(trace["scheduled"]),
     }
     if clear:
         trace["events"].clear()
         trace["step_times"].clear()
+        trace["scheduled"].clear()
     return out
 
 

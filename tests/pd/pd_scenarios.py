@@ -12,7 +12,8 @@ MultiConnector) holding NixlConnector (UCX, host memory, ``kv_lease_duration`` 3
 PrefixStoreConnector disk tier, each engine with its own store directory:
 
 - P (prefill): ``chain/first[nixl, disk]``;
-- D (decode): ``chain/first[disk, nixl]`` or ``chain/longest[disk, nixl]``.
+- D (decode): ``chain/first[disk, nixl]``, ``chain/longest[disk, nixl]`` or
+  ``chain/stitch[disk, nixl]`` (``test_pd_stitch.py``).
 
 A hand-off is the proxy flow: P runs the prompt with ``max_tokens=1`` and
 ``{"do_remote_decode": true}``; D runs it with the ``kv_transfer_params`` P returned. Both
@@ -30,7 +31,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,7 @@ class Handoff:
     d_tokens: list[int]
     d_cached: int  # D's num_cached_tokens (local + external)
     d_local: int | None  # D's local prefix hit shown to the connectors
+    d_computed: int  # tokens D's engine computed for the request (prompt and decode)
     offers: dict[str, tuple[int | None, bool]]  # what each child answered D's lookup
     allocs: dict[str, int]  # tokens each child was told at D's allocation
     owner: str | None  # the child told n > 0
@@ -166,6 +168,13 @@ class Handoff:
     bytes_moved: float | None
     external_hits: int | None
     dropped: int  # calls dropped by fault injection (negative controls)
+    params: dict[str, Any] | None = None  # the kv_transfer_params P returned
+
+    @property
+    def d_prompt_computed(self) -> int:
+        """Prompt tokens D computed itself: every step after the prompt's last samples one
+        decoded token (the first one comes with the prompt's last token)."""
+        return self.d_computed - (len(self.d_tokens) - 1)
 
     @property
     def hold_s(self) -> float | None:
@@ -187,6 +196,7 @@ class Handoff:
             "offers": self.offers,
             "local": self.d_local,
             "cached": self.d_cached,
+            "computed": self.d_computed,
             "external": self.external_hits,
             "transfers": self.transfers,
             "bytes": self.bytes_moved,
@@ -208,11 +218,13 @@ def handoff(
     *,
     stats: bool = True,
     corrupt_p: bool = False,
+    tamper: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     p_free_timeout: float = 30.0,
 ) -> Handoff:
     """The proxy flow for one prompt, measured. ``corrupt_p`` overwrites P's KV blocks of
-    the request with noise before D reads them (a negative control). Waits up to
-    ``p_free_timeout`` s for P to free the prefill request's blocks."""
+    the request with noise before D reads them (a negative control); ``tamper`` changes the
+    ``kv_transfer_params`` D is handed (fault injection). Waits up to ``p_free_timeout`` s
+    for P to free the prefill request's blocks."""
     before = nixl_totals(d.stats()) if stats else None
     (p_out,) = p.call(pd.run_requests, [tokens], 1, {"do_remote_decode": True})
     p_req = p_out["request_id"]
@@ -222,7 +234,8 @@ def handoff(
     p_blocks = p_snap["requests"][p_req]["blocks"] if p_req in p_snap["requests"] else 0
     if corrupt_p:
         assert p.call(pd.corrupt_request_blocks, p_req) > 0
-    (d_out,) = d.call(pd.run_requests, [tokens], max_tokens, params)
+    d_params = params if tamper is None else tamper(dict(params))
+    (d_out,) = d.call(pd.run_requests, [tokens], max_tokens, d_params)
     d_req = d_out["request_id"]
     p.wait_until(p_request_freed(p_req), p_free_timeout)
     after = nixl_totals(d.stats()) if stats else None
@@ -244,6 +257,7 @@ def handoff(
         d_tokens=d_out["token_ids"],
         d_cached=d_out["num_cached_tokens"],
         d_local=d_side["local"],
+        d_computed=d_trace["scheduled"].get(d_req, 0),
         offers=d_side["offers"],
         allocs=d_side["allocs"],
         owner=d_side["owner"],
@@ -253,6 +267,7 @@ def handoff(
         p_steps=p_steps,
         **_deltas(before, after),
         dropped=d_side["dropped"],
+        params=params,
     )
 
 
@@ -263,7 +278,8 @@ def decode_only(
     before = nixl_totals(d.stats()) if stats else None
     (d_out,) = d.call(pd.run_requests, [tokens], max_tokens)
     after = nixl_totals(d.stats()) if stats else None
-    d_side = _decode_side(d.call(pd.take_trace)["events"], d_out["request_id"])
+    d_trace = d.call(pd.take_trace)
+    d_side = _decode_side(d_trace["events"], d_out["request_id"])
     return Handoff(
         prompt_len=len(tokens),
         p_request="",
@@ -272,6 +288,7 @@ def decode_only(
         d_tokens=d_out["token_ids"],
         d_cached=d_out["num_cached_tokens"],
         d_local=d_side["local"],
+        d_computed=d_trace["scheduled"].get(d_out["request_id"], 0),
         offers=d_side["offers"],
         allocs=d_side["allocs"],
         owner=d_side["owner"],
@@ -499,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connector", choices=["kvcompose", "multiconnector"], default="kvcompose")
     ap.add_argument(
         "--policy",
-        choices=["first", "longest"],
+        choices=["first", "longest", "stitch"],
         default="first",
         help="D's chain policy (kvcompose only)",
     )
