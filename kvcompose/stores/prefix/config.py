@@ -14,6 +14,28 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
+class EmulateRead(BaseModel):
+    """An emulated slow tier: every load takes at least ``latency_ms`` plus its bytes at
+    ``gbps`` (GB/s, 10^9 bytes), by sleeping after the real read for what is left.
+
+    For benchmarks that need a tier slower than this machine's page cache (a network
+    store, a real disk); the data still comes from the store's files.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    latency_ms: Annotated[float, Field(ge=0, description="Fixed cost of each load (ms).")] = 0.0
+    gbps: (
+        Annotated[float, Field(gt=0, description="Bandwidth of a load (GB/s); none: unlimited.")]
+        | None
+    ) = None
+
+    def min_seconds(self, nbytes: int) -> float:
+        """The shortest a load of ``nbytes`` may take."""
+        transfer = nbytes / (self.gbps * 1e9) if self.gbps else 0.0
+        return self.latency_ms / 1e3 + transfer
+
+
 class PrefixStoreConfig(BaseModel):
     """The parsed ``kv_connector_extra_config`` (see :mod:`kvcompose.stores.prefix`)."""
 
@@ -37,6 +59,7 @@ class PrefixStoreConfig(BaseModel):
         "admit_min_prompt_tokens": "must be an int >= 0",
         "admit_min_seen": "must be an int >= 1",
         "promote": "must be a bool",
+        "emulate_read": "must be a mapping {latency_ms: number >= 0, gbps: number > 0}",
     }
     #: Keys this class no longer accepts, with where they went.
     MOVED: ClassVar[dict[str, str]] = {
@@ -76,6 +99,11 @@ class PrefixStoreConfig(BaseModel):
     ] = 1
     promote: bool = Field(
         False, description="Store chunks another tier loaded, whatever the admission rule."
+    )
+    emulate_read: EmulateRead | None = Field(
+        None,
+        description="Benchmarks only: make every load take at least latency_ms + bytes/gbps "
+        "(an emulated slow tier; sleeps after the real read).",
     )
 
     @field_validator("path", mode="before")
