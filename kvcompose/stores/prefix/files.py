@@ -108,12 +108,6 @@ class ChunkFiles:
         rewritten)."""
         return os.path.exists(self.file(key))
 
-    def read(self, key: str) -> dict[str, torch.Tensor]:
-        """This worker's tensors of chunk ``key`` (raises if missing or unreadable)."""
-        import safetensors.torch
-
-        return safetensors.torch.load_file(self.file(key))
-
     def write(self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
         """Write this worker's file of chunk ``key`` atomically; returns its size in bytes.
 
