@@ -13,7 +13,9 @@ connector makes in a step:
   ``wait_for_save`` run them; fresh chunk keys each time, deleted after the timing;
 - ``copy``: ``dst.copy_(src)`` of two preallocated tensors of the same number of bytes;
 - ``read``: the chunk files read with ``readinto`` into one preallocated buffer (what the
-  kernel's copy out of the page cache costs alone; a floor for a file-backed load).
+  kernel's copy out of the page cache costs alone; a floor for a file-backed load);
+- ``write``: the same bytes written from one buffer into as many new files (unbuffered),
+  deleted after the timing (a floor for a save: page-cache allocation and the copy).
 
 Default shapes (the built-in benchmark model, ``kvcompose.engine.model.BUILTIN_SHAPE``): 8
 layers, 8 KV heads of 64, float32, block size 128, so a layer's cache is
@@ -58,7 +60,7 @@ from kvcompose.stores.prefix.files import ChunkFiles
 from kvcompose.stores.prefix.metadata import ChunkLoad, LoadSpec, PrefixStoreMetadata, SaveSpec
 from kvcompose.stores.prefix.worker import PrefixStoreWorker
 
-OPS = ("copy", "load", "save", "read")
+OPS = ("copy", "load", "save", "read", "write")
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "store_io"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -182,6 +184,20 @@ class Setup:
                 with open(self.files.file(k), "rb", buffering=0) as fh:
                     while n := fh.readinto(view[off:]):
                         off += n
+        return t.result
+
+    def write(self) -> tuple[float, float]:
+        per_file = self.nbytes // self.chunks
+        view = memoryview(self.read_buf)
+        paths = [self.files.file(f"write-{uuid.uuid4().hex[:12]}-{i}") for i in range(self.chunks)]
+        with Timer() as t:
+            for i, path in enumerate(paths):
+                with open(path, "wb", buffering=0) as fh:
+                    part = view[i * per_file : (i + 1) * per_file]
+                    while part.nbytes:
+                        part = part[fh.write(part) :]
+        for path in paths:
+            os.unlink(path)
         return t.result
 
 

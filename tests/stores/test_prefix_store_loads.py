@@ -84,17 +84,53 @@ def test_a_file_written_by_the_safetensors_library_loads_bit_for_bit(tmp_path):
         assert torch.equal(back[n], src[n][[5, 6]])
 
 
-def test_blocks_not_contiguous_inside_load_through_a_staging_copy(tmp_path):
-    """A layout with heads outside blocks (``[H, B, N, C]`` viewed as ``[B, H, N, C]``)
-    cannot take direct reads into a block; the staging path gives the same bytes."""
+def heads_outside_blocks(src: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Caches laid out ``[H, B, N, C]`` and viewed as ``[B, H, N, C]``: no block is one
+    contiguous run (as vLLM's ``LHBNC`` layout), so neither direct reads nor in-place
+    writes apply."""
+    out = {n: torch.zeros(2, NUM_BLOCKS, BS, 64).permute(1, 0, 2, 3) for n in LAYERS}
+    for n, kv in (src or {}).items():
+        out[n].copy_(kv)
+    assert not out[LAYERS[0]][0].is_contiguous()
+    return out
+
+
+def test_blocks_not_contiguous_inside_go_through_a_copy(tmp_path):
+    """Loads into such a cache go through a staging tensor and saves from it through
+    ``index_select``; the bytes are the same both ways."""
     src = caches(seed=2)
     save(make_worker(tmp_path, src), "k", [3, 7, 8], src)
-    dst = {n: torch.zeros(2, NUM_BLOCKS, BS, 64).permute(1, 0, 2, 3) for n in LAYERS}
-    assert not dst[LAYERS[0]][0].is_contiguous()
+    dst = heads_outside_blocks()
     w = make_worker(tmp_path, dst)
     assert load(w, "k", [15, 1], first_block=1)
     for n in LAYERS:
         assert torch.equal(dst[n][15], src[n][7]) and torch.equal(dst[n][1], src[n][8])
+    strided = heads_outside_blocks(src)
+    save(make_worker(tmp_path, strided), "s", [5, 2], strided)
+    back = safetensors.torch.load_file(ChunkFiles(str(tmp_path), [""]).file("s"))
+    for n in LAYERS:
+        assert torch.equal(back[n], src[n][[5, 2]])
+
+
+def test_a_sync_save_from_host_caches_writes_the_blocks_in_place(tmp_path):
+    """Host caches are not copied out per layer (``BlockRun``: the file is written from the
+    blocks in ``wait_for_save``); caches whose blocks are not contiguous are."""
+    from kvcompose.stores.prefix.safetensors_io import BlockRun
+
+    for src, in_place in ((caches(seed=7), True), (heads_outside_blocks(caches(seed=7)), False)):
+        w = make_worker(tmp_path / str(in_place), src)
+        meta = PrefixStoreMetadata(
+            saves=[SaveSpec(key="k", block_ids=[6, 1], num_tokens=2 * BS, req_id="s")]
+        )
+        w.begin_step(meta)
+        for name, kv in src.items():
+            w.save_layer(meta, name, kv)
+        held = w.saves._save_buf["k"][LAYERS[0]]
+        assert isinstance(held, BlockRun) is in_place
+        w.wait_for_save(meta)
+        back = safetensors.torch.load_file(w.files.file("k"))
+        for n in LAYERS:
+            assert torch.equal(back[n], src[n][[6, 1]])
 
 
 def test_a_dtype_the_direct_reader_lacks_goes_through_safetensors(tmp_path):

@@ -24,12 +24,14 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvcompose.stores.prefix.safetensors_io import (
     FormatError,
     StoredTensor,
     UnsupportedDtype,
+    host_blocks,
     read_header,
 )
 
@@ -53,18 +55,41 @@ class LoadProgress:
     failed_from: int | None = None
 
 
-def read_chunk(path: str, chunk: ChunkLoad, dsts: dict[str, torch.Tensor]) -> int:
+@dataclass
+class BlockTarget:
+    """One layer's cache (blocks at dim 0) as a load's destination."""
+
+    tensor: torch.Tensor
+    #: The cache's bytes as a numpy array, blocks at dim 0, when every block is one
+    #: contiguous run of host memory (direct reads); None otherwise (staging copy).
+    blocks: np.ndarray | None
+
+    @classmethod
+    def of(cls, dst: torch.Tensor) -> BlockTarget:
+        return cls(dst, host_blocks(dst))
+
+
+def block_targets(dsts: dict[str, torch.Tensor]) -> dict[str, BlockTarget]:
+    """Layer name -> :class:`BlockTarget`, built once per load."""
+    return {name: BlockTarget.of(dst) for name, dst in dsts.items()}
+
+
+def read_chunk(path: str, chunk: ChunkLoad, targets: dict[str, BlockTarget]) -> int:
     """Copy blocks ``chunk.first_block, ...`` of every layer in the file at ``path`` into
-    ``dsts`` (layer name -> cache with blocks at dim 0) at ``chunk.block_ids``; returns the
-    bytes copied. Raises ``OSError`` or ``ValueError`` when the file does not fit."""
+    ``targets`` (layer name -> cache with blocks at dim 0) at ``chunk.block_ids``; returns
+    the bytes copied. Raises ``OSError`` or ``ValueError`` when the file does not fit."""
     fd = os.open(path, os.O_RDONLY)
     try:
         try:
             stored, _ = read_header(fd)
         except UnsupportedDtype:
+            dsts = {name: t.tensor for name, t in targets.items()}
             return _read_with_safetensors(path, chunk, dsts)
-        plan = [(dst, _fit(name, stored.get(name), dst, chunk)) for name, dst in dsts.items()]
-        return sum(_read_blocks(fd, dst, src, chunk) for dst, src in plan)
+        plan = [
+            (target, _fit(name, stored.get(name), target.tensor, chunk))
+            for name, target in targets.items()
+        ]
+        return sum(_read_blocks(fd, target, src, chunk) for target, src in plan)
     finally:
         os.close(fd)
 
@@ -85,20 +110,22 @@ def _fit(name: str, src: StoredTensor | None, dst: torch.Tensor, chunk: ChunkLoa
     return src
 
 
-def _read_blocks(fd: int, dst: torch.Tensor, src: StoredTensor, chunk: ChunkLoad) -> int:
+def _read_blocks(fd: int, target: BlockTarget, src: StoredTensor, chunk: ChunkLoad) -> int:
     n = len(chunk.block_ids)
     if n == 0:
         return 0
     per_block = src.nbytes // src.shape[0]
     offset = src.start + chunk.first_block * per_block
-    if dst.device.type == "cpu" and dst[0].is_contiguous():
-        views = [memoryview(dst[b].view(torch.uint8).numpy()).cast("B") for b in chunk.block_ids]
+    if target.blocks is not None:
+        blocks = target.blocks
+        views = [blocks[b] for b in chunk.block_ids]
         for i in range(0, n, _IOV_MAX):
             batch = views[i : i + _IOV_MAX]
             _preadv_exactly(fd, batch, offset + i * per_block, len(batch) * per_block)
         return n * per_block
+    dst = target.tensor
     staging = torch.empty(n * per_block, dtype=torch.uint8)
-    _preadv_exactly(fd, [memoryview(staging.numpy())], offset, n * per_block)
+    _preadv_exactly(fd, [staging.numpy()], offset, n * per_block)
     _put_blocks(dst, chunk.block_ids, staging.view(dst.dtype).view(n, *dst.shape[1:]))
     return n * per_block
 
@@ -112,7 +139,7 @@ def _put_blocks(dst: torch.Tensor, block_ids: list[int], tiles: torch.Tensor) ->
     dst.index_copy_(0, idx, tiles.to(dst.device))
 
 
-def _preadv_exactly(fd: int, buffers: list[memoryview], offset: int, nbytes: int) -> None:
+def _preadv_exactly(fd: int, buffers: list[np.ndarray], offset: int, nbytes: int) -> None:
     got = os.preadv(fd, buffers, offset)
     if got != nbytes:
         # Regular files return short only at the end of the file: it shrank after the

@@ -23,8 +23,10 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 #: torch dtype -> safetensors dtype code (the codes ``safetensors.torch`` reads).
@@ -112,27 +114,75 @@ def read_header(fd: int) -> tuple[dict[str, StoredTensor], dict[str, str]]:
     return tensors, metadata
 
 
+def host_blocks(cache: torch.Tensor) -> np.ndarray | None:
+    """``cache`` (blocks at dim 0) as a numpy byte array over the same memory, when every
+    block is one contiguous run of host memory (so it can be read into or written from
+    directly); None otherwise (device memory, heads outside blocks)."""
+    if cache.device.type != "cpu" or cache.dim() < 2 or cache.requires_grad:
+        return None
+    if not cache[0].is_contiguous():
+        return None
+    try:
+        return cache.view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):  # strides a byte view cannot express
+        return None
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """A tensor to write given as its blocks along dim 0, each one contiguous run of host
+    memory: KV-cache blocks written where they are, not gathered into a tensor first."""
+
+    dtype: torch.dtype
+    #: ``(len(blocks), *block_shape)``.
+    shape: tuple[int, ...]
+    blocks: Sequence[np.ndarray]
+
+    @classmethod
+    def of(cls, cache: torch.Tensor, block_ids: Sequence[int]) -> BlockRun | None:
+        """``cache[block_ids]`` as a run, or None when :func:`host_blocks` cannot view
+        ``cache`` or its dtype has no code here."""
+        if cache.dtype not in DTYPES:
+            return None
+        blocks = host_blocks(cache)
+        if blocks is None:
+            return None
+        shape = (len(block_ids), *cache.shape[1:])
+        return cls(cache.dtype, tuple(shape), [blocks[b] for b in block_ids])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+
 def write_safetensors(
-    path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+    path: str, tensors: dict[str, torch.Tensor | BlockRun], metadata: dict[str, str]
 ) -> None:
-    """Write ``tensors`` (CPU) and ``metadata`` to ``path`` as a safetensors file."""
+    """Write ``tensors`` (CPU tensors or :class:`BlockRun`) and ``metadata`` to ``path`` as
+    a safetensors file."""
     if any(t.dtype not in DTYPES for t in tensors.values()):
         import safetensors.torch
 
-        safetensors.torch.save_file(tensors, path, metadata=metadata)
+        assert all(isinstance(t, torch.Tensor) for t in tensors.values())
+        safetensors.torch.save_file(tensors, path, metadata=metadata)  # type: ignore[arg-type]
         return
     header: dict[str, object] = {}
-    buffers = []
+    buffers: list[np.ndarray] = []
     offset = 0
     for name in sorted(tensors):
-        t = tensors[name].detach().contiguous()
-        nbytes = t.numel() * t.element_size()
+        t = tensors[name]
+        if isinstance(t, BlockRun):
+            shape, nbytes = list(t.shape), t.nbytes
+            buffers.extend(t.blocks)
+        else:
+            t = t.detach().contiguous()
+            shape, nbytes = list(t.shape), t.numel() * t.element_size()
+            buffers.append(t.reshape(-1).view(torch.uint8).numpy())
         header[name] = {
             "dtype": DTYPES[t.dtype],
-            "shape": list(t.shape),
+            "shape": shape,
             "data_offsets": [offset, offset + nbytes],
         }
-        buffers.append(t.reshape(-1).view(torch.uint8).numpy())
         offset += nbytes
     header["__metadata__"] = dict(metadata)
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")

@@ -1,11 +1,18 @@
 """The worker's save side: chunk files written from the step or by the writer thread, the
 store's capacity kept after writes, and the KV cache events of what was written.
 
-With ``save_mode: sync`` the tiles of every saved chunk are copied per layer in
+With ``save_mode: sync`` every saved chunk's blocks are collected per layer in
 ``save_kv_layer`` and written in ``wait_for_save``, so a request's blocks are never held
 after it finishes. With ``save_mode: background`` ``wait_for_save`` only queues them for
-the :class:`~kvcompose.stores.prefix.writer.ChunkWriter`, which copies the (held) blocks
-and writes the files off the step.
+the :class:`~kvcompose.stores.prefix.writer.ChunkWriter`, which writes the files from the
+(held) blocks off the step.
+
+Blocks in host memory, each one contiguous run (vLLM's CPU caches), are written straight
+from the cache (:class:`~kvcompose.stores.prefix.safetensors_io.BlockRun`): nothing in the
+step's forward writes a block whose tokens are already computed, and the background writer's
+blocks are held until written. Other caches (device memory, heads outside blocks) are copied
+out with ``index_select`` first. Copying every layer's tiles first made a save cost two
+copies of its bytes; ``benchmarks/store_io.py`` measures it.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvcompose.stores.prefix.files import store_usage
+from kvcompose.stores.prefix.safetensors_io import BlockRun
 from kvcompose.stores.prefix.writer import ChunkWriter, WriteJob
 
 if TYPE_CHECKING:
@@ -47,8 +55,8 @@ class StoreSaves:
         self.block_size = block_size
         self._by_block = by_block
         self._counters = counters
-        #: This step's saved tiles: chunk key -> layer name -> tiles.
-        self._save_buf: dict[str, dict[str, torch.Tensor]] = {}
+        #: This step's saves: chunk key -> layer name -> its blocks (copied or in place).
+        self._save_buf: dict[str, dict[str, torch.Tensor | BlockRun]] = {}
         #: KV cache events since the last step's collection, and the BlockStored event of
         #: every chunk this worker wrote and has not evicted (for its BlockRemoved).
         self._events_lock = threading.Lock()
@@ -90,9 +98,7 @@ class StoreSaves:
             return
         grouped = self._by_block(kv_layer)
         for spec in meta.saves:
-            idx = torch.tensor(spec.block_ids, dtype=torch.long, device=grouped.device)
-            tiles = grouped.index_select(0, idx).to("cpu").contiguous()
-            self._save_buf.setdefault(spec.key, {})[layer_name] = tiles
+            self._save_buf.setdefault(spec.key, {})[layer_name] = _blocks(grouped, spec.block_ids)
 
     def wait_for_save(
         self,
@@ -161,11 +167,9 @@ class StoreSaves:
         if self.files.stored_here(job.key):
             return True
         t0 = time.perf_counter()
-        layers = {}
-        for name, kv in job.caches.items():
-            grouped = self._by_block(kv)
-            idx = torch.tensor(job.block_ids, dtype=torch.long, device=grouped.device)
-            layers[name] = grouped.index_select(0, idx).to("cpu").contiguous()
+        layers = {
+            name: _blocks(self._by_block(kv), job.block_ids) for name, kv in job.caches.items()
+        }
         written = self._write_chunk(job.key, job.num_tokens, layers, job.event)
         if written is None:
             return False
@@ -185,7 +189,11 @@ class StoreSaves:
         return True
 
     def _write_chunk(
-        self, key: str, num_tokens: int, layers: dict[str, torch.Tensor], event: Any = None
+        self,
+        key: str,
+        num_tokens: int,
+        layers: dict[str, torch.Tensor | BlockRun],
+        event: Any = None,
     ) -> int | None:
         """Write one chunk's file unless it exists; its size, or None when not written.
         A written chunk's ``BlockStored`` event (when events are on) is published."""
@@ -245,3 +253,12 @@ class StoreSaves:
         with self._events_lock:
             events, self._events = self._events, []
             return events
+
+
+def _blocks(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor | BlockRun:
+    """``cache[block_ids]`` to write: in place when the cache allows, else a host copy."""
+    run = BlockRun.of(cache, block_ids)
+    if run is not None:
+        return run
+    idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+    return cache.index_select(0, idx).to("cpu").contiguous()

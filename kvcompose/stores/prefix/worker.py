@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvcompose.stores.prefix.loads import LoadProgress, copy_from_job, read_chunk
+from kvcompose.stores.prefix.loads import (
+    BlockTarget,
+    LoadProgress,
+    block_targets,
+    copy_from_job,
+    read_chunk,
+)
 from kvcompose.stores.prefix.metadata import StoreWorkerMeta
 from kvcompose.stores.prefix.saves import StoreSaves
 from kvcompose.stores.prefix.stats import PrefixStoreStats, StoreCounters
@@ -123,11 +129,11 @@ class PrefixStoreWorker:
         if not caches:
             logger.error("PrefixStoreConnector: no KV cache layers registered; cannot load")
             return self.report_load(spec, LoadProgress(failed_from=0), t0)
-        dsts = {name: self._by_block(kv) for name, kv in caches.items()}
+        targets = block_targets({name: self._by_block(kv) for name, kv in caches.items()})
         progress = LoadProgress()
         for i, chunk in enumerate(spec.chunks):
             try:
-                progress.nbytes += self._load_chunk(chunk, dsts)
+                progress.nbytes += self._load_chunk(chunk, targets)
             except Exception as e:  # missing, truncated or foreign file
                 logger.warning("PrefixStoreConnector: load of chunk %s failed: %s", chunk.key, e)
                 progress.failed_from = i
@@ -139,13 +145,14 @@ class PrefixStoreWorker:
         self._emulate_read(progress.nbytes, t0)
         return self.report_load(spec, progress, t0)
 
-    def _load_chunk(self, chunk: ChunkLoad, dsts: dict[str, torch.Tensor]) -> int:
-        """Copy one chunk into ``dsts``; its bytes. A chunk the background writer has not
-        written yet is copied from the blocks its job holds."""
+    def _load_chunk(self, chunk: ChunkLoad, targets: dict[str, BlockTarget]) -> int:
+        """Copy one chunk into ``targets``; its bytes. A chunk the background writer has
+        not written yet is copied from the blocks its job holds."""
         job = self.writer.job_for(chunk.key) if self.writer is not None else None
         if job is not None and not self.files.stored_here(chunk.key):
+            dsts = {name: t.tensor for name, t in targets.items()}
             return copy_from_job(chunk, job, dsts, self._by_block)
-        return read_chunk(self.files.file(chunk.key), chunk, dsts)
+        return read_chunk(self.files.file(chunk.key), chunk, targets)
 
     def _emulate_read(self, nbytes: int, t0: float) -> None:
         """``emulate_read``: sleep until the load has taken latency + bytes / bandwidth."""
