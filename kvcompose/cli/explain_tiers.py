@@ -1,5 +1,6 @@
 """The tier lines ``kvcompose explain`` prints under a kvcompose store leaf: its medium,
-capacity, how it saves, its admission rule and its promotion target.
+capacity, how it saves, its admission rule, its promotion target, and an emulated read
+cost when it has one.
 
 Read from the leaf's ``extra_config`` as written (no vLLM import: ``explain`` and
 ``validate`` run without vLLM); the store validates the same keys when it starts.
@@ -68,6 +69,20 @@ def medium_text(extra: dict[str, Any]) -> str:
     return "medium: from the mount at start (tmpfs -> host, else disk)"
 
 
+def emulation_text(extra: dict[str, Any]) -> str | None:
+    """``emulate_read``, said to be emulation (a benchmark setting, not the medium's speed)."""
+    emulate = extra.get("emulate_read")
+    if not isinstance(emulate, dict):
+        return None
+    parts = [f"{emulate.get('latency_ms', 0)} ms"]
+    if emulate.get("gbps"):
+        parts.append(f"bytes / {emulate['gbps']} GB/s")
+    return (
+        "EMULATED slow reads: every load takes at least " + " + ".join(parts) + " (sleeps after "
+        "the real read; for benchmarks)"
+    )
+
+
 def promotion_lines(tree: Node) -> dict[str, str]:
     """Leaf name -> its promotion line, for store leaves of a chain with ``promote: true``."""
     out: dict[str, str] = {}
@@ -108,4 +123,7 @@ def tier_lines(tree: Node, leaf: Leaf) -> list[str]:
     promo = promotion_lines(tree).get(leaf.name or "")
     if promo:
         lines.append(promo)
+    emulated = emulation_text(extra)
+    if emulated:
+        lines.append(emulated)
     return lines

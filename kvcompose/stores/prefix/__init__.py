@@ -51,6 +51,9 @@ Load it with::
     chunks another tier loaded whatever the rule.
 ``medium`` ("cpu" | "tmpfs" | "disk" | "remote", default: from the mount)
     The vLLM hit source and the KV cache events' medium.
+``emulate_read`` (``{latency_ms, gbps}``, optional; benchmarks only)
+    An emulated slow tier: every load takes at least ``latency_ms`` plus its bytes at
+    ``gbps`` GB/s (the store sleeps after the real read; counted as ``emulated_wait_s``).
 
 The hierarchy keys are described in ``docs/stores.md``.
 
@@ -78,11 +81,13 @@ worker); ``max_chunks`` eviction runs in the worker after writes, without coordi
 between several engines sharing a directory.
 
 Modules, one role each: ``keys`` (chunk hashing), ``config`` (the extra config),
-``files`` (directory layout, I/O, eviction), ``metadata`` (what a step carries from
+``files`` (directory layout, I/O, eviction), ``safetensors_io`` (the file format, written
+and its header read without the library's copies), ``metadata`` (what a step carries from
 scheduler to workers), ``stats`` and ``prom`` (counters, Prometheus), ``admission``
 (admission rule, frequency sketch), ``tier`` (medium, hit source, KV events), ``writer``
-(the background writer), ``scheduler`` and ``worker`` (the two halves), ``connector`` (the
-vLLM class, delegating by role).
+(the background writer), ``scheduler`` and ``worker`` (the two halves; the worker's
+``loads`` copy chunks into the KV cache, its ``saves`` write them), ``connector`` (the vLLM
+class, delegating by role).
 """
 
 from importlib import import_module

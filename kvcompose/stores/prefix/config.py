@@ -16,6 +16,28 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvcompose.tree.conditions import RequestCondition
 
 
+class EmulateRead(BaseModel):
+    """An emulated slow tier: every load takes at least ``latency_ms`` plus its bytes at
+    ``gbps`` (GB/s, 10^9 bytes), by sleeping after the real read for what is left.
+
+    For benchmarks that need a tier slower than this machine's page cache (a network
+    store, a real disk); the data still comes from the store's files.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    latency_ms: Annotated[float, Field(ge=0, description="Fixed cost of each load (ms).")] = 0.0
+    gbps: (
+        Annotated[float, Field(gt=0, description="Bandwidth of a load (GB/s); none: unlimited.")]
+        | None
+    ) = None
+
+    def min_seconds(self, nbytes: int) -> float:
+        """The shortest a load of ``nbytes`` may take."""
+        transfer = nbytes / (self.gbps * 1e9) if self.gbps else 0.0
+        return self.latency_ms / 1e3 + transfer
+
+
 class PrefixStoreConfig(BaseModel):
     """The parsed ``kv_connector_extra_config`` (see :mod:`kvcompose.stores.prefix`)."""
 
@@ -43,6 +65,7 @@ class PrefixStoreConfig(BaseModel):
             "must be a mapping of request conditions (param/equals, min_prompt_tokens, "
             "max_prompt_tokens, predicate), as a route rule's"
         ),
+        "emulate_read": "must be a mapping {latency_ms: number >= 0, gbps: number > 0}",
     }
     #: Keys this class no longer accepts, with where they went.
     MOVED: ClassVar[dict[str, str]] = {
@@ -87,6 +110,11 @@ class PrefixStoreConfig(BaseModel):
     )
     promote: bool = Field(
         False, description="Store chunks another tier loaded, whatever the admission rule."
+    )
+    emulate_read: EmulateRead | None = Field(
+        None,
+        description="Benchmarks only: make every load take at least latency_ms + bytes/gbps "
+        "(an emulated slow tier; sleeps after the real read).",
     )
 
     @field_validator("path", mode="before")

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
+    from kvcompose.stores.prefix.safetensors_io import BlockRun
+
 FILE_SUFFIX = ".safetensors"
 
 
@@ -108,13 +110,9 @@ class ChunkFiles:
         rewritten)."""
         return os.path.exists(self.file(key))
 
-    def read(self, key: str) -> dict[str, torch.Tensor]:
-        """This worker's tensors of chunk ``key`` (raises if missing or unreadable)."""
-        import safetensors.torch
-
-        return safetensors.torch.load_file(self.file(key))
-
-    def write(self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    def write(
+        self, key: str, tensors: dict[str, torch.Tensor | BlockRun], metadata: dict[str, str]
+    ) -> int:
         """Write this worker's file of chunk ``key`` atomically; returns its size in bytes.
 
         Raises ``OSError`` (after removing the temporary file) when the write fails.

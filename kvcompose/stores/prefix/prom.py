@@ -25,6 +25,10 @@ _HELP = {
     "bytes_saved": "Bytes a kvcompose store wrote.",
     "load_failures": "Loads of a kvcompose store that failed.",
     "load_time_s": "Seconds a kvcompose store spent loading.",
+    "emulated_wait_s": (
+        "Seconds a kvcompose store slept to emulate a slower tier (emulate_read; included "
+        "in load_time_s)."
+    ),
     "save_time_s": "Seconds a kvcompose store spent writing (in the step or its writer).",
     "saves_dropped": "Saves a kvcompose store dropped (writer queue full, preemption).",
     "evictions": "Chunk files a kvcompose store evicted to stay within its capacity.",

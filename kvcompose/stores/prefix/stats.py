@@ -7,6 +7,7 @@ are plain numbers in ``data`` so the stats survive vLLM's serialization between 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -20,6 +21,7 @@ STAT_KEYS: tuple[str, ...] = (
     "bytes_saved",
     "load_failures",
     "load_time_s",
+    "emulated_wait_s",
     "save_time_s",
     "saves_dropped",
     "evictions",
@@ -80,3 +82,33 @@ class PrefixStoreStats(KVConnectorStats):
 
     def snapshot(self) -> dict[str, int | float]:
         return dict(self.data)
+
+
+class StoreCounters:
+    """One worker's counters: this interval's (taken by vLLM each step) and the totals
+    since start (tests, benchmarks; never reset). The background writer records too, hence
+    the lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.interval = PrefixStoreStats()
+        self.total = PrefixStoreStats()
+
+    def add(self, **counts: int | float) -> None:
+        with self.lock:
+            self.interval.add(**counts)
+            self.total.add(**counts)
+
+    def set_level(self, **levels: int) -> None:
+        with self.lock:
+            self.interval.set_level(**levels)
+            self.total.set_level(**levels)
+
+    def take_interval(self) -> PrefixStoreStats | None:
+        """This interval's counters (then reset), or None when nothing happened."""
+        with self.lock:
+            if self.interval.is_empty():
+                return None
+            out = PrefixStoreStats(data=self.interval.snapshot())
+            self.interval.reset()
+            return out

@@ -1,10 +1,10 @@
 """The background writer: chunk saves leave the engine step and go to one thread.
 
-Why: a synchronous save copies every layer's blocks and writes a file inside
+Why: a synchronous save writes every layer's blocks into a file inside
 ``wait_for_save``, i.e. inside the engine step, so on traffic with many new prompts the
 writes decide the step time. With ``save_mode: background`` the step only queues a
-:class:`WriteJob` (block ids and a reference to the layer caches); this thread copies the
-blocks and writes the file later.
+:class:`WriteJob` (block ids and a reference to the layer caches); this thread writes the
+file from the blocks later.
 
 That is only correct while the blocks keep their content, which the scheduler half
 guarantees with vLLM's delayed free: ``request_finished`` returns ``True`` for a request
