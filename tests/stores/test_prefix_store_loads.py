@@ -95,6 +95,18 @@ def heads_outside_blocks(src: dict[str, torch.Tensor] | None = None) -> dict[str
     return out
 
 
+def test_more_blocks_than_one_preadv_takes_are_read_in_batches(tmp_path, monkeypatch):
+    from kvcompose.stores.prefix import loads
+
+    src = caches(seed=8)
+    save(make_worker(tmp_path, src), "k", [3, 7, 8], src)
+    monkeypatch.setattr(loads, "_IOV_MAX", 2)
+    dst = {n: torch.zeros_like(kv) for n, kv in src.items()}
+    assert load(make_worker(tmp_path, dst), "k", [0, 5, 6])
+    for n in LAYERS:
+        assert torch.equal(dst[n][[0, 5, 6]], src[n][[3, 7, 8]])
+
+
 def test_blocks_not_contiguous_inside_go_through_a_copy(tmp_path):
     """Loads into such a cache go through a staging tensor and saves from it through
     ``index_select``; the bytes are the same both ways."""

@@ -4,8 +4,8 @@ blocks of a write that is still queued.
 From a file, each layer's blocks are read with ``preadv`` straight into the destination
 blocks' memory: one copy, by the kernel, out of the page cache. The earlier path
 (``safetensors.torch.load_file``, tensors over a memory mapping, then ``index_copy_`` into
-the cache) copied the same bytes while page-faulting through the mapping and ran at about
-0.4x a plain memory copy; ``benchmarks/store_io.py`` measures both against such a copy.
+the cache) copied the same bytes while page-faulting through the mapping, at half a plain
+memory copy's rate or less; ``benchmarks/store_io.py`` measures loads against such a copy.
 A destination that is not host memory, or whose blocks are not contiguous inside (a layout
 with heads outside blocks), is read into a staging tensor and copied with ``index_copy_``.
 
@@ -41,7 +41,17 @@ if TYPE_CHECKING:
     from kvcompose.stores.prefix.metadata import ChunkLoad
     from kvcompose.stores.prefix.writer import WriteJob
 
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+def _iov_max() -> int:
+    """Buffers one ``preadv`` takes (1024 on Linux; POSIX guarantees 16)."""
+    try:
+        n = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        n = -1
+    return n if n > 0 else 16
+
+
+_IOV_MAX = _iov_max()
 
 
 @dataclass
