@@ -49,6 +49,8 @@ _STORE_RUNTIME_KEYS = (
     "admit_min_seen",
     "promote",
     "medium",
+    "admit_when",
+    "emulate_read",
     "fail_load_request_ids",
 )
 
