@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +71,18 @@ def start(
 
 
 def calm(servers: Iterable[VLLMServer]) -> None:
-    for s in servers:
-        if s.proc.poll() is None:
-            moved = s.calm_busy_threads()
+    """``calm_busy_threads`` on every live server at once: each watches its threads for two
+    seconds, and the servers need not wait for one another."""
+    live = [s for s in servers if s.proc.poll() is None]
+    with ThreadPoolExecutor(max(1, len(live))) as pool:
+        for s, moved in zip(live, pool.map(VLLMServer.calm_busy_threads, live), strict=True):
             log.warning("%s: %d busy thread(s) moved to SCHED_IDLE: %s", s.name, len(moved), moved)
 
 
 def stop(servers: dict[str, VLLMServer]) -> None:
-    for s in servers.values():
-        s.stop()
+    """Stop all servers at once (each waits for its processes to exit)."""
+    with ThreadPoolExecutor(max(1, len(servers))) as pool:
+        list(pool.map(VLLMServer.stop, servers.values()))
 
 
 def handshake(p: VLLMServer, d: VLLMServer) -> None:
@@ -121,6 +125,32 @@ def greedy(server: VLLMServer, seeds: Iterable[int], n: int, **kw: Any) -> dict[
             ).json()
             out[seed] = data["choices"][0]["token_ids"]
     return out
+
+
+def direct(server: VLLMServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One engine's whole greedy answer to ``body`` at ``path``, no hand-off (a P server
+    serving the request itself)."""
+    resp = httpx.post(
+        f"{server.url}{path}",
+        json={**body, "stream": False, "temperature": 0, "return_token_ids": True},
+        timeout=300,
+    )
+    assert resp.status_code == 200, (server.name, resp.status_code, resp.text)
+    return resp.json()
+
+
+def read_answer(events: list[dict[str, Any]]) -> tuple[str, list[int], list[int]]:
+    """(text, token ids, prompt token ids) of one answer in vLLM's shapes: a whole response
+    (``[response]``) or a stream's events; chat or completion."""
+    text, ids, prompt_ids = [], [], []
+    for event in events:
+        prompt_ids.extend(event.get("prompt_token_ids") or ())  # chat
+        for choice in event.get("choices") or ():
+            part = choice.get("message") or choice.get("delta")
+            text.append((part.get("content") if part else choice.get("text")) or "")
+            ids.extend(choice.get("token_ids") or ())
+            prompt_ids.extend(choice.get("prompt_token_ids") or ())  # completions
+    return "".join(text), ids, prompt_ids
 
 
 def reset_prefix_cache(servers: Iterable[VLLMServer]) -> None:

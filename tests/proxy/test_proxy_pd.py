@@ -3,8 +3,10 @@ servers on CPU, NIXL over UCX, the kvcompose trees of examples/pd). D's load fai
 fault-injecting store double on D's disk tier, under vLLM's default ``kv_load_failure_policy:
 fail``); the proxy continues the request and the client's token ids equal one engine's
 greedy output; afterwards no engine holds a request or a KV block (the servers' own
-/metrics). The longer scenarios (two D, concurrency, killed servers) are in
-test_proxy_engines.py, run on request.
+/metrics). Then chat and completions, streamed and whole, through the same pair: text, token
+ids and prompt ids equal the P engine's own greedy answer. The longer scenarios (two P and
+two D, 64 concurrent clients with faults, killed servers) are in test_proxy_engines.py, run
+on request.
 """
 
 from __future__ import annotations
@@ -62,5 +64,53 @@ def test_decode_load_failure_is_continued_token_exact(servers, proxy):
     assert len({e["id"] for e in out.events}) == 1
     assert bed.injected(servers, ["d"], f"cmpl-{FAULT}") == 1
     assert bed.retries(app, "decode_error") == 1
+    snap = bed.idle(servers)
+    assert snap["p"].get("vllm:kv_cache_usage_perc", 0) == 0
+
+
+#: a chat prompt of three full blocks (the tiny tokenizer: one token per word)
+CHAT = [{"role": "user", "content": " ".join(f"w{i}" for i in range(5, 105))}]
+
+
+@pytest.mark.parametrize(
+    ("path", "streamed", "seed"),
+    [
+        ("/v1/completions", True, 5),
+        ("/v1/completions", False, 6),
+        ("/v1/chat/completions", True, 7),
+        ("/v1/chat/completions", False, 8),
+    ],
+    ids=["completions-stream", "completions-whole", "chat-stream", "chat-whole"],
+)
+def test_handoff_equals_one_engines_answer(servers, proxy, path, streamed, seed):
+    url, _ = proxy
+    if path == "/v1/chat/completions":  # a prompt of its own per test (no prefix shared)
+        body = {"messages": [{"role": "user", "content": f"w{500 + seed}"}, *CHAT]}
+    else:
+        body = {"prompt": bed.prompt(seed)}
+    body = {**body, "max_tokens": N, "ignore_eos": True}
+    want = bed.read_answer([bed.direct(servers["p"], path, body)])
+    hits = servers["d"].metrics().get("vllm:external_prefix_cache_hits_total", 0)
+    asked = {**body, "temperature": 0, "return_token_ids": True}
+    with httpx.Client(base_url=url, timeout=600) as c:
+        if streamed:
+            out = stream(c, path, {**asked, "stream_options": {"include_usage": True}})
+            assert out.status == 200 and out.done and not out.errors, out.body or out.events[-3:]
+            events, usage = out.events, out.usage
+            if path == "/v1/chat/completions":  # one role chunk, the first
+                roles = [e for e in out.chunks if e["choices"][0]["delta"].get("role")]
+                assert len(roles) == 1 and out.chunks[0] is roles[0]
+        else:
+            resp = c.post(path, json=asked)
+            assert resp.status_code == 200, resp.text
+            events, usage = [resp.json()], resp.json()["usage"]
+    got = bed.read_answer(events)
+    assert got == want  # text, token ids, prompt ids (chat: the template applied once)
+    assert len(got[1]) == N and got[0]
+    assert usage == {"prompt_tokens": len(want[2]), "completion_tokens": N,
+                     "total_tokens": len(want[2]) + N}  # fmt: skip
+    assert len({e["id"] for e in events}) == 1
+    # D loaded the prompt's blocks from P (NIXL), it did not compute them
+    assert servers["d"].metrics().get("vllm:external_prefix_cache_hits_total", 0) > hits
     snap = bed.idle(servers)
     assert snap["p"].get("vllm:kv_cache_usage_perc", 0) == 0
