@@ -143,6 +143,10 @@ class VLLMServer:
         hz = os.sysconf("SC_CLK_TCK")
         busy = [t for t, n in after.items() if (n - before.get(t, n)) / hz > share * seconds]
         busy = [t for t in busy if _policy(t) != os.SCHED_IDLE]  # not those moved already
+        # never a process's main thread: the worker's computes, and it busy-polls its
+        # message queue for a second after each step (vLLM's shm_broadcast SpinCondition)
+        mains = {int(task.parent.parent.name) for task in _session_tasks(self.proc.pid)}
+        busy = [t for t in busy if t not in mains]
         for tid in busy:
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

@@ -26,8 +26,13 @@ from kvcompose.testing.scripted_vllm import ServerThread
 log = logging.getLogger("kvcompose.tests.proxy")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pd"
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # the tiny model has none
+#: no CPU pinning: vLLM's default (``VLLM_CPU_OMP_THREADS_BIND=auto``) pins every server's
+#: worker threads the same way, the helper threads (NIXL's, gloo's) of all servers to CPU 0,
+#: where one spinning NIXL progress thread then starves the others (seen: one at 92 % of
+#: CPU 0, the other servers' NIXL threads at 1 %, a hand-off stalled until P's lease ran out)
+NO_PINNING = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 #: vLLM's dev-mode routes (``/reset_prefix_cache``) on the decode servers
-DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1", **NO_PINNING}
 #: generous for a 2-core machine: the proxy's own defaults are for real deployments
 TIMEOUTS = {"connect": 30, "read": 300, "health": 10}
 KEYS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
@@ -58,7 +63,8 @@ def start(
     servers: dict[str, VLLMServer] = {}
     try:
         for name in prefill:
-            servers[name] = VLLMServer(name, tiny_model, p_cfg, tmp, extra_args=chat)
+            servers[name] = VLLMServer(name, tiny_model, p_cfg, tmp, extra_args=chat,
+                                       env=NO_PINNING)  # fmt: skip
         for name in decode:
             servers[name] = VLLMServer(name, tiny_model, d_cfg, tmp, extra_args=chat, env=DEV_MODE)
         for s in servers.values():
@@ -70,14 +76,22 @@ def start(
     return servers
 
 
-def calm(servers: Iterable[VLLMServer]) -> None:
-    """``calm_busy_threads`` on each live server in turn. Not at once: a thread counts as
-    busy by its share of a core, and with every server's spinning threads still competing
-    for two cores none may reach it (seen: P's two spinning threads left as they were)."""
-    for s in servers:
-        if s.proc.poll() is None:
-            moved = s.calm_busy_threads()
-            log.warning("%s: %d busy thread(s) moved to SCHED_IDLE: %s", s.name, len(moved), moved)
+def calm(servers: Iterable[VLLMServer], passes: int = 3) -> None:
+    """``calm_busy_threads`` on each live server in turn, pass after pass until one moves
+    nothing: a thread counts as busy by its share of a core, and while one spinning thread
+    hogs a core the others it starves do not show as busy yet."""
+    servers = list(servers)
+    for _ in range(passes):
+        moved_any = False
+        for s in servers:
+            if s.proc.poll() is None:
+                moved = s.calm_busy_threads()
+                moved_any |= bool(moved)
+                log.warning(
+                    "%s: %d busy thread(s) moved to SCHED_IDLE: %s", s.name, len(moved), moved
+                )
+        if not moved_any:
+            return
 
 
 def stop(servers: dict[str, VLLMServer]) -> None:
