@@ -8,7 +8,8 @@ mid-stream, a prefill server is SIGKILLed between its prefill and the decode, a 
 is SIGKILLed mid-stream. In every case the client's token ids equal a single engine's greedy
 output and afterwards no live engine holds a request or a KV block (read from the servers'
 own /metrics). The core claim runs in the default suite (test_proxy_pd.py); this module
-takes about 8 minutes on 2 cores (four servers) and runs on request: KVCOMPOSE_PROXY_ENGINES=1.
+takes about 10 minutes on 2 cores (four servers; the 64 concurrent clients about 50 s of
+it) and runs on request: KVCOMPOSE_PROXY_ENGINES=1.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ pytestmark = [
     pytest.mark.timeout(1200),
     pytest.mark.skipif(
         os.environ.get("KVCOMPOSE_PROXY_ENGINES") != "1",
-        reason="real-engine proxy tests run with KVCOMPOSE_PROXY_ENGINES=1 (about 8 min)",
+        reason="real-engine proxy tests run with KVCOMPOSE_PROXY_ENGINES=1 (about 10 min)",
     ),
 ]
 
