@@ -58,13 +58,16 @@ def test_decode_load_failure_is_continued_token_exact(servers, proxy):
         assert warm.status_code == 200, warm.text
         bed.reset_prefix_cache([servers["d"]])  # ... which then owns D's next load
         bed.calm([servers["d"]])
+        # the warm-up may have been retried itself: on a loaded machine D's first NIXL
+        # handshake can time out (vLLM's 5 s side-channel receive), failing that request
+        before = bed.retries(app, "decode_error")
         out = stream(c, "/v1/completions", bed.body(0, N), headers={"X-Request-Id": FAULT})
     assert out.done and not out.errors, out.events[-3:]
     assert out.token_ids == want
     assert out.usage["completion_tokens"] == N
     assert len({e["id"] for e in out.events}) == 1
     assert bed.injected(servers, ["d"], f"cmpl-{FAULT}") == 1
-    assert bed.retries(app, "decode_error") == 1
+    assert bed.retries(app, "decode_error") - before == 1
     snap = bed.idle(servers)
     assert snap["p"].get("vllm:kv_cache_usage_perc", 0) == 0
 
