@@ -226,10 +226,11 @@ class Formatter:
             return None
         choice: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}  # fmt: skip
+        out = self._envelope([choice], chunk=True)
         if self.token_ids:
-            choice["prompt_token_ids"] = self.prompt_ids
+            out["prompt_token_ids"] = self.prompt_ids
             self._first = False
-        return self._envelope([choice], chunk=True)
+        return out
 
     def chunk(self, delta: Delta | None, finish: Finish | None = None) -> dict[str, Any]:
         text = delta.text if delta else ""
@@ -241,12 +242,13 @@ class Formatter:
         choice["logprobs"] = None
         choice["finish_reason"] = finish.finish_reason if finish else None
         choice["stop_reason"] = finish.stop_reason if finish else None
+        out = self._envelope([choice], chunk=True)
         if self.token_ids:
             choice["token_ids"] = list(delta.token_ids) if delta else []
             if self._first:
-                choice["prompt_token_ids"] = self.prompt_ids
+                self._prompt_ids_into(out, choice)
                 self._first = False
-        return self._envelope([choice], chunk=True)
+        return out
 
     def usage_chunk(self, finish: Finish) -> dict[str, Any]:
         out = self._envelope([], chunk=True)
@@ -261,12 +263,19 @@ class Formatter:
             choice["text"] = text
         choice.update(logprobs=None, finish_reason=finish.finish_reason,
                       stop_reason=finish.stop_reason)  # fmt: skip
+        out = self._envelope([choice], chunk=False)
         if self.token_ids:
             choice["token_ids"] = token_ids
-            choice["prompt_token_ids"] = self.prompt_ids
-        out = self._envelope([choice], chunk=False)
+            self._prompt_ids_into(out, choice)
         out["usage"] = usage(finish)
         return out
+
+    def _prompt_ids_into(self, response: dict[str, Any], choice: dict[str, Any]) -> None:
+        """Where vLLM puts ``prompt_token_ids``: on a chat response (or the first chunk),
+        on a completion's choice (``chat_completion/protocol.py`` ChatCompletionResponse,
+        ChatCompletionStreamResponse; ``completion/protocol.py`` CompletionResponseChoice,
+        CompletionResponseStreamChoice)."""
+        (response if self.kind == "chat" else choice)["prompt_token_ids"] = self.prompt_ids
 
 
 def usage(finish: Finish) -> dict[str, int]:

@@ -34,14 +34,14 @@ SERVER_ENV = {
 
 
 def rendered_config(yaml_path: str | Path) -> dict[str, Any]:
-    """``kvcompose vllm-args --json FILE``: the ``--kv-transfer-config`` of a kvcompose file."""
-    out = subprocess.run(
-        [sys.executable, "-m", "kvcompose.cli", "vllm-args", "--json", str(yaml_path)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return json.loads(out.stdout)
+    """What ``kvcompose vllm-args --json FILE`` prints: the ``--kv-transfer-config`` of a
+    kvcompose file. Rendered in this process without the checks that import vLLM (the
+    server runs them when it loads the connector): the CLI in a subprocess spent 10-30 s
+    of a loaded 2-core machine importing vLLM, once per config, before any server started."""
+    from kvcompose.config import load_config
+    from kvcompose.config.render import vllm_args
+
+    return vllm_args(load_config(str(yaml_path), check_vllm=False))
 
 
 class VLLMServer:
@@ -143,6 +143,10 @@ class VLLMServer:
         hz = os.sysconf("SC_CLK_TCK")
         busy = [t for t, n in after.items() if (n - before.get(t, n)) / hz > share * seconds]
         busy = [t for t in busy if _policy(t) != os.SCHED_IDLE]  # not those moved already
+        # never a process's main thread: the worker's computes, and it busy-polls its
+        # message queue for a second after each step (vLLM's shm_broadcast SpinCondition)
+        mains = {int(task.parent.parent.name) for task in _session_tasks(self.proc.pid)}
+        busy = [t for t in busy if t not in mains]
         for tid in busy:
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

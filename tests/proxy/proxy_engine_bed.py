@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,13 @@ from kvcompose.testing.scripted_vllm import ServerThread
 log = logging.getLogger("kvcompose.tests.proxy")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pd"
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # the tiny model has none
+#: no CPU pinning: vLLM's default (``VLLM_CPU_OMP_THREADS_BIND=auto``) pins every server's
+#: worker threads the same way, the helper threads (NIXL's, gloo's) of all servers to CPU 0,
+#: where one spinning NIXL progress thread then starves the others (seen: one at 92 % of
+#: CPU 0, the other servers' NIXL threads at 1 %, a hand-off stalled until P's lease ran out)
+NO_PINNING = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 #: vLLM's dev-mode routes (``/reset_prefix_cache``) on the decode servers
-DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1", **NO_PINNING}
 #: generous for a 2-core machine: the proxy's own defaults are for real deployments
 TIMEOUTS = {"connect": 30, "read": 300, "health": 10}
 KEYS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
@@ -57,7 +63,8 @@ def start(
     servers: dict[str, VLLMServer] = {}
     try:
         for name in prefill:
-            servers[name] = VLLMServer(name, tiny_model, p_cfg, tmp, extra_args=chat)
+            servers[name] = VLLMServer(name, tiny_model, p_cfg, tmp, extra_args=chat,
+                                       env=NO_PINNING)  # fmt: skip
         for name in decode:
             servers[name] = VLLMServer(name, tiny_model, d_cfg, tmp, extra_args=chat, env=DEV_MODE)
         for s in servers.values():
@@ -69,16 +76,28 @@ def start(
     return servers
 
 
-def calm(servers: Iterable[VLLMServer]) -> None:
-    for s in servers:
-        if s.proc.poll() is None:
-            moved = s.calm_busy_threads()
-            log.warning("%s: %d busy thread(s) moved to SCHED_IDLE: %s", s.name, len(moved), moved)
+def calm(servers: Iterable[VLLMServer], passes: int = 3) -> None:
+    """``calm_busy_threads`` on each live server in turn, pass after pass until one moves
+    nothing: a thread counts as busy by its share of a core, and while one spinning thread
+    hogs a core the others it starves do not show as busy yet."""
+    servers = list(servers)
+    for _ in range(passes):
+        moved_any = False
+        for s in servers:
+            if s.proc.poll() is None:
+                moved = s.calm_busy_threads()
+                moved_any |= bool(moved)
+                log.warning(
+                    "%s: %d busy thread(s) moved to SCHED_IDLE: %s", s.name, len(moved), moved
+                )
+        if not moved_any:
+            return
 
 
 def stop(servers: dict[str, VLLMServer]) -> None:
-    for s in servers.values():
-        s.stop()
+    """Stop all servers at once (each waits for its processes to exit)."""
+    with ThreadPoolExecutor(max(1, len(servers))) as pool:
+        list(pool.map(VLLMServer.stop, servers.values()))
 
 
 def handshake(p: VLLMServer, d: VLLMServer) -> None:
@@ -121,6 +140,32 @@ def greedy(server: VLLMServer, seeds: Iterable[int], n: int, **kw: Any) -> dict[
             ).json()
             out[seed] = data["choices"][0]["token_ids"]
     return out
+
+
+def direct(server: VLLMServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One engine's whole greedy answer to ``body`` at ``path``, no hand-off (a P server
+    serving the request itself)."""
+    resp = httpx.post(
+        f"{server.url}{path}",
+        json={**body, "stream": False, "temperature": 0, "return_token_ids": True},
+        timeout=300,
+    )
+    assert resp.status_code == 200, (server.name, resp.status_code, resp.text)
+    return resp.json()
+
+
+def read_answer(events: list[dict[str, Any]]) -> tuple[str, list[int], list[int]]:
+    """(text, token ids, prompt token ids) of one answer in vLLM's shapes: a whole response
+    (``[response]``) or a stream's events; chat or completion."""
+    text, ids, prompt_ids = [], [], []
+    for event in events:
+        prompt_ids.extend(event.get("prompt_token_ids") or ())  # chat
+        for choice in event.get("choices") or ():
+            part = choice.get("message") or choice.get("delta")
+            text.append((part.get("content") if part else choice.get("text")) or "")
+            ids.extend(choice.get("token_ids") or ())
+            prompt_ids.extend(choice.get("prompt_token_ids") or ())  # completions
+    return "".join(text), ids, prompt_ids
 
 
 def reset_prefix_cache(servers: Iterable[VLLMServer]) -> None:

@@ -79,6 +79,35 @@ def test_models_health_metrics(bed):
     assert bed.metric("kvcompose_proxy_requests_total", endpoint="completions", outcome="ok") == 1
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "stream"])
+def test_prompt_token_ids_where_vllm_puts_them(bed, streamed):
+    """On a chat response (its first chunk when streamed), on a completion's choice: vLLM's
+    ``ChatCompletionResponse``/``ChatCompletionStreamResponse`` and
+    ``CompletionResponseChoice``/``CompletionResponseStreamChoice``."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "w1 w2 w3 w4"}]}
+    cmpl = {"model": MODEL, "prompt": PROMPT}
+    answers = {}
+    with bed.client() as c:
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", cmpl)):
+            body = {**body, "max_tokens": 3, "return_token_ids": True}
+            if streamed:
+                out = stream(c, path, body)
+                assert out.status == 200 and out.done, out.body
+                answers[path] = out.events
+            else:
+                resp = c.post(path, json=body)
+                assert resp.status_code == 200, resp.text
+                answers[path] = [resp.json()]
+    chat_events, cmpl_events = answers["/v1/chat/completions"], answers["/v1/completions"]
+    assert chat_events[0]["prompt_token_ids"] == [1002, 1, 2, 3, 4, 1003]
+    assert cmpl_events[0]["choices"][0]["prompt_token_ids"] == tokenize(PROMPT)
+    assert all("prompt_token_ids" not in ch for e in chat_events for ch in e["choices"])
+    assert all("prompt_token_ids" not in e for e in cmpl_events)
+    # once per answer
+    assert sum("prompt_token_ids" in e for e in chat_events) == 1
+    assert sum("prompt_token_ids" in ch for e in cmpl_events for ch in e["choices"]) == 1
+
+
 def _wait(predicate, timeout=5.0):
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -8,7 +8,8 @@ mid-stream, a prefill server is SIGKILLed between its prefill and the decode, a 
 is SIGKILLed mid-stream. In every case the client's token ids equal a single engine's greedy
 output and afterwards no live engine holds a request or a KV block (read from the servers'
 own /metrics). The core claim runs in the default suite (test_proxy_pd.py); this module
-takes about 8 minutes on 2 cores (four servers) and runs on request: KVCOMPOSE_PROXY_ENGINES=1.
+takes about 10 minutes on 2 cores (four servers; the 64 concurrent clients about 50 s of
+it) and runs on request: KVCOMPOSE_PROXY_ENGINES=1.
 """
 
 from __future__ import annotations
@@ -35,17 +36,20 @@ pytestmark = [
     pytest.mark.timeout(1200),
     pytest.mark.skipif(
         os.environ.get("KVCOMPOSE_PROXY_ENGINES") != "1",
-        reason="real-engine proxy tests run with KVCOMPOSE_PROXY_ENGINES=1 (about 8 min)",
+        reason="real-engine proxy tests run with KVCOMPOSE_PROXY_ENGINES=1 (about 10 min)",
     ),
 ]
 
 N = 24  # tokens decoded per request
 LONG = 160  # tokens of the stream a killed decode server leaves unfinished
-#: attempt 1 of these client ids fails its load on D (engine id cmpl-<rid>-1-d-0-<8 chars>)
-FAULTY = [f"fault{i}" for i in range(6)]
-#: the concurrent clients' prompts: the faulty ones first (their prompts warmed on D's disk,
-#: no other client sharing them, so no D's local cache can hold one before its load)
-SEEDS = list(range(4, 20))
+CLIENTS = 64  # concurrent clients ...
+FAULT_EVERY = 4  # ... of which every fourth has its first attempt's load fail on D
+#: the concurrent clients' prompts, one each (distinct from the first token on, so no D's
+#: local cache can hold a faulty client's prompt before its load)
+SEEDS = list(range(4, 4 + CLIENTS))
+#: attempt 1 of these client ids fails its load on D (engine id cmpl-<rid>-1-d-0-<8 chars>),
+#: by client index
+FAULTY = {i: f"fault{i}" for i in range(0, CLIENTS, FAULT_EVERY)}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,7 @@ def servers(
     pytest.importorskip("nixl")
     tmp = tmp_path_factory.mktemp("proxy-engines")
     started = bed.start(
-        tiny_model, tmp, ["p1", "p2"], ["d1", "d2"], [f"cmpl-{r}-1-d-0" for r in FAULTY]
+        tiny_model, tmp, ["p1", "p2"], ["d1", "d2"], [f"cmpl-{r}-1-d-0" for r in FAULTY.values()]
     )
     try:
         for p in ("p1", "p2"):
@@ -70,7 +74,7 @@ def servers(
 @pytest.fixture(scope="module")
 def reference(servers: dict[str, VLLMServer]) -> dict[int, list[int]]:
     """Greedy output of one engine, no hand-off (P serving the prompt itself)."""
-    return bed.greedy(servers["p1"], range(20), N)
+    return bed.greedy(servers["p1"], range(4 + CLIENTS), N)
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +139,12 @@ def test_client_disconnect_leaves_nothing_held(servers, proxy):
 
 
 def test_concurrent_clients_with_load_failures(servers, reference, proxy):
+    """64 clients at once, every fourth one's first attempt failing its load on D: 0 lost,
+    0 duplicated tokens, every client's ids equal to one engine's greedy output."""
     url, app = proxy
     with httpx.Client(base_url=url, timeout=300) as c:  # warm D's disk for the faulty ones
-        for s in SEEDS[: len(FAULTY)]:
-            warm = c.post("/v1/completions", json={**bed.body(s, 1), "stream_options": None})
+        for i in FAULTY:
+            warm = c.post("/v1/completions", json={**bed.body(SEEDS[i], 1), "stream_options": None})
             assert warm.status_code == 200, warm.text
     bed.idle(servers)
     # D's disk tier now holds those prompts; with the local prefix caches empty it owns the
@@ -147,7 +153,7 @@ def test_concurrent_clients_with_load_failures(servers, reference, proxy):
 
     async def one(client: httpx.AsyncClient, i: int) -> list[int]:
         seed = SEEDS[i]
-        headers = {"X-Request-Id": FAULTY[i]} if i < len(FAULTY) else {}
+        headers = {"X-Request-Id": FAULTY[i]} if i in FAULTY else {}
         got: list[int] = []
         async with client.stream(
             "POST", "/v1/completions", json={**bed.body(seed, N), "stream": True}, headers=headers
