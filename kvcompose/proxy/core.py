@@ -262,8 +262,12 @@ class Router:
             avoid.add(decode.url)
             if got == 0:
                 # D failed before its first token: most often the hand-off itself (P died,
-                # its blocks are gone, its lease ran out), so P is suspect as well.
+                # its blocks are gone, its lease ran out), so P is suspect as well. D may
+                # never have read P's blocks (a NIXL handshake that timed out): release the
+                # hand-off rather than leave them to P's lease (if D did read them, P only
+                # logs the second notification).
                 avoid.add(prefill.url)
+                self._release_later(params, rid)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away. D aborts a request whose connection closed, and its
