@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 
 from kvcompose import tree as nodes
-from kvcompose.composite import segments as seg
 from kvcompose.composite import stitch
 from kvcompose.composite.children import Children
 from kvcompose.composite.forwarding import SchedulerForwarding
@@ -351,22 +350,14 @@ class CompositeScheduler(SchedulerForwarding):
         failed_by: dict[int, set[str]] = {}
         for req_id in recv | failed:
             record = self.ledger.get(req_id)
-            loaders: tuple[int, ...] = ()
-            if record is not None and record.segments:
-                loaders = seg.loading(record.segments)
-            elif record is not None and record.owner is not None:
-                loaders = (record.owner,)
+            if record is not None and (record.segments or record.owner is not None):
+                loaders = record.receivers()
             else:
-                finish = self.finishes.get(req_id)
-                owner, signal = self.finishes.received(req_id)
+                loaders, signal = self.finishes.received(req_id)
                 if signal is not Signal.PASS:
                     held_recvs.append(req_id)
                     if signal is Signal.RELEASE_SEND:
                         released_sends.append(req_id)
-                if finish is not None and finish.loaders is not None:
-                    loaders = finish.loaders
-                elif owner is not None:
-                    loaders = (owner,)
             children_failed = segment_failures.get(req_id, frozenset())
             self.ledger.recv_finished(req_id, req_id in failed, children_failed)
             for child in loaders:
@@ -449,24 +440,19 @@ class CompositeScheduler(SchedulerForwarding):
                 merged = self._merge_params(merged, params, producer, i, req_id)
         record = self.ledger.finished(req_id)
         # aborted while loading: the loaders' receive still comes (one, for a stitch)
-        loaders: tuple[int, ...] | None = None  # a stitch: the async segments' children
-        loading: int | None = None
+        loaders = None
         if record is not None and record.state is LoadState.LOADING:
-            if record.segments:
-                loaders = seg.loading(record.segments)
-                loading = (loaders or record.loaders())[0]
-            else:
-                loading = record.owner
+            loaders = record.receivers()
         if first_error is not None:
-            if loading is not None:
-                self.finishes.finished(req_id, loading, (), loaders)
+            if loaders is not None:
+                self.finishes.finished(req_id, loaders, ())
             raise first_error
         if delaying:
             senders = self._step_sends[req_id] = tuple(sorted(delaying))
-            self.finishes.finished(req_id, loading, senders, loaders)
+            self.finishes.finished(req_id, loaders, senders)
             return True, merged
-        if loading is not None:
-            self.finishes.finished(req_id, loading, (), loaders)
+        if loaders is not None:
+            self.finishes.finished(req_id, loaders, ())
         return False, merged
 
     def _merge_params(
