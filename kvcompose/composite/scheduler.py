@@ -3,7 +3,9 @@
 It holds the node's lookup policy, the load ledger and the finish records
 (``kvcompose.composite.ledger``), and what one step hands to the worker half: the async loads
 given out (owner per request), the sync loads (owner and blocks), and the requests whose
-free waits for children's sends (``CompositeMetadata``).
+free waits for children's sends (``CompositeMetadata``). What each child is shown of a step's
+output is ``kvcompose.composite.output_routing``'s job; a stitched load's is
+``kvcompose.composite.stitch``'s.
 
 vLLM's scheduler calls ``get_num_new_matched_tokens`` for every waiting request every step,
 and ``update_state_after_alloc`` / ``request_finished`` once or twice per request: those paths
@@ -13,7 +15,6 @@ common well-formed answers inline.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -25,13 +26,9 @@ from kvcompose import tree as nodes
 from kvcompose.composite import stitch
 from kvcompose.composite.children import Children
 from kvcompose.composite.forwarding import SchedulerForwarding
-from kvcompose.composite.ledger import Finishes, Ledger, LoadState, Signal
-from kvcompose.composite.metadata import (
-    ComposedKVEvents,
-    ComposedWorkerMeta,
-    CompositeMetadata,
-    StitchLoad,
-)
+from kvcompose.composite.ledger import Finishes, Ledger, LoadState
+from kvcompose.composite.metadata import CompositeMetadata, StitchLoad
+from kvcompose.composite.output_routing import OutputRouter
 from kvcompose.composite.policies import RouteLookup, policy_for
 from kvcompose.composite.stats import NodeCounters
 
@@ -92,6 +89,7 @@ class CompositeScheduler(SchedulerForwarding):
         )
         self.ledger = Ledger()
         self.finishes = Finishes()
+        self._outputs = OutputRouter(self.ledger, self.finishes, children)
         self._partial_tails: dict[str, set[int]] = {}  # accepted tails, until the finish
         self._step_loads: dict[str, int] = {}
         self._step_sync_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -322,70 +320,9 @@ class CompositeScheduler(SchedulerForwarding):
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Each child sees the step's output as if it were the only connector: receives and
-        failures of the loads it owns, sends of the requests it delayed, its own worker
-        metadata and KV events (upstream hands every child everything, so a child that
-        tracks its failures blames itself for another child's failed load). vLLM reads the
-        finished sets after this call (``Scheduler._update_from_kv_xfer_finished``), so the
-        finish records' held signals are taken out of them here."""
-        recv = connector_output.finished_recving or set()
-        failed = connector_output.failed_recving or set()
-        sent = connector_output.finished_sending or set()
-        if connector_output.invalid_block_ids:
-            self.ledger.exclude_owners_of_blocks(connector_output.invalid_block_ids)
-        worker_meta = connector_output.kv_connector_worker_meta
-        events = connector_output.kv_cache_events
-        call = self._call
-        num_children = len(self._connectors)
-        if not (recv or failed or sent or worker_meta or events):
-            for i in range(num_children):  # nothing to attribute: one shared view
-                call(i, "update_connector_output", None, connector_output)
-            return
-        held_recvs: list[str] = []  # finish records' decisions, applied after the children
-        held_sends: list[str] = []
-        released_sends: list[str] = []
-        recv_by: dict[int, set[str]] = {}
-        metas = worker_meta if isinstance(worker_meta, ComposedWorkerMeta) else None
-        segment_failures = metas.failed_segments if metas is not None else {}
-        failed_by: dict[int, set[str]] = {}
-        for req_id in recv | failed:
-            record = self.ledger.get(req_id)
-            if record is not None and (record.segments or record.owner is not None):
-                loaders = record.receivers()
-            else:
-                loaders, signal = self.finishes.received(req_id)
-                if signal is not Signal.PASS:
-                    held_recvs.append(req_id)
-                    if signal is Signal.RELEASE_SEND:
-                        released_sends.append(req_id)
-            children_failed = segment_failures.get(req_id, frozenset())
-            self.ledger.recv_finished(req_id, req_id in failed, children_failed)
-            for child in loaders:
-                recv_by.setdefault(child, set()).add(req_id)
-                if child in children_failed:
-                    failed_by.setdefault(child, set()).add(req_id)
-        sent_by: dict[int, set[str]] = {}
-        for req_id in sent:
-            senders, signal = self.finishes.sent(req_id)
-            if signal is Signal.HOLD:
-                held_sends.append(req_id)
-            for child in senders:
-                sent_by.setdefault(child, set()).add(req_id)
-        child_metas = metas.children if metas is not None else None
-        child_events = events.children if isinstance(events, ComposedKVEvents) else None
-        for i in range(num_children):
-            mine = recv_by.get(i, set())
-            view = dataclasses.replace(
-                connector_output,
-                finished_recving=mine or None,
-                failed_recving=(mine & failed) | failed_by.get(i, set()),
-                finished_sending=sent_by.get(i) or None,
-                kv_connector_worker_meta=None if child_metas is None else child_metas[i],
-                kv_cache_events=None if child_events is None else child_events[i],
-            )
-            call(i, "update_connector_output", None, view)
-        if held_recvs or held_sends:
-            _one_terminal_signal(connector_output, held_recvs, held_sends, released_sends)
+        """Each child sees the step's output as if it were the only connector
+        (``kvcompose.composite.output_routing``)."""
+        self._outputs.route(connector_output)
 
     # ------------------------------------------------------------------ finishing
     def register_finished_partial_tail(
@@ -485,23 +422,3 @@ class CompositeScheduler(SchedulerForwarding):
                 new_request(request)
             except Exception as exc:
                 self.guard.child_error(i, "on_new_request", exc)
-
-
-def _one_terminal_signal(
-    connector_output: KVConnectorOutput,
-    held_recvs: list[str],
-    held_sends: list[str],
-    released_sends: list[str],
-) -> None:
-    """Apply the finish records' decisions to the sets vLLM's scheduler reads next: a
-    request that finished while loading, with a delayed free, gets one ``finished_sending``
-    once both its receive and its send happened (``kvcompose.composite.ledger``)."""
-    out = connector_output
-    for req_id in held_recvs:
-        if out.finished_recving:
-            out.finished_recving.discard(req_id)
-        out.failed_recving.discard(req_id)
-    for req_id in held_sends:
-        out.finished_sending.discard(req_id)  # type: ignore[union-attr]
-    if released_sends:
-        out.finished_sending = (out.finished_sending or set()) | set(released_sends)
