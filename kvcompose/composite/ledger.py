@@ -59,6 +59,7 @@ with its filtering.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcompose.composite import segments as seg
@@ -138,10 +139,9 @@ class Ledger:
 
     def __init__(self) -> None:
         self._records: dict[str, LoadRecord] = {}
-
-    # ------------------------------------------------------------------ queries
-    def get(self, req_id: str) -> LoadRecord | None:
-        return self._records.get(req_id)
+        #: The record of a request (None if unknown); the dict's own ``get``: the scheduler
+        #: half asks for every waiting request every step.
+        self.get: Callable[[str], LoadRecord | None] = self._records.get
 
     def owner(self, req_id: str) -> int | None:
         record = self._records.get(req_id)

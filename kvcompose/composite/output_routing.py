@@ -33,6 +33,12 @@ class OutputRouter:
         self.ledger = ledger
         self.finishes = finishes
         self.children = children
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Which children hear the output: those that implement ``update_connector_output``
+        (vLLM's base class's own does nothing; ``Children.implementing``)."""
+        self._listeners = self.children.implementing("update_connector_output")
 
     def route(self, connector_output: KVConnectorOutput) -> None:
         recv = connector_output.finished_recving or set()
@@ -43,9 +49,9 @@ class OutputRouter:
         worker_meta = connector_output.kv_connector_worker_meta
         events = connector_output.kv_cache_events
         call = self.children.call
-        num_children = len(self.children.connectors)
+        listeners = self._listeners
         if not (recv or failed or sent or worker_meta or events):
-            for i in range(num_children):  # nothing to attribute: one shared view
+            for i in listeners:  # nothing to attribute: one shared view
                 call(i, "update_connector_output", None, connector_output)
             return
         held_recvs: list[str] = []  # finish records' decisions, applied after the children
@@ -80,7 +86,7 @@ class OutputRouter:
                 sent_by.setdefault(child, set()).add(req_id)
         child_metas = metas.children if metas is not None else None
         child_events = events.children if isinstance(events, ComposedKVEvents) else None
-        for i in range(num_children):
+        for i in listeners:
             mine = recv_by.get(i, set())
             view = dataclasses.replace(
                 connector_output,
