@@ -59,7 +59,7 @@ with its filtering.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, KeysView
 from dataclasses import dataclass
 
 from kvcompose.composite import segments as seg
@@ -142,6 +142,8 @@ class Ledger:
         #: The record of a request (None if unknown); the dict's own ``get``: the scheduler
         #: half asks for every waiting request every step.
         self.get: Callable[[str], LoadRecord | None] = self._records.get
+        #: The ids of the requests with a record (a live view).
+        self.ids: KeysView[str] = self._records.keys()
 
     def owner(self, req_id: str) -> int | None:
         record = self._records.get(req_id)

@@ -41,6 +41,20 @@ class OutputRouter:
         self._listeners = self.children.implementing("update_connector_output")
 
     def route(self, connector_output: KVConnectorOutput) -> None:
+        out = connector_output
+        call = self.children.call
+        listeners = self._listeners
+        if not (
+            out.finished_recving
+            or out.failed_recving
+            or out.finished_sending
+            or out.kv_connector_worker_meta
+            or out.kv_cache_events
+            or out.invalid_block_ids
+        ):
+            for i in listeners:  # nothing to attribute: one shared view
+                call(i, "update_connector_output", None, connector_output)
+            return
         recv = connector_output.finished_recving or set()
         failed = connector_output.failed_recving or set()
         sent = connector_output.finished_sending or set()
@@ -48,10 +62,8 @@ class OutputRouter:
             self.ledger.exclude_owners_of_blocks(connector_output.invalid_block_ids)
         worker_meta = connector_output.kv_connector_worker_meta
         events = connector_output.kv_cache_events
-        call = self.children.call
-        listeners = self._listeners
         if not (recv or failed or sent or worker_meta or events):
-            for i in listeners:  # nothing to attribute: one shared view
+            for i in listeners:
                 call(i, "update_connector_output", None, connector_output)
             return
         held_recvs: list[str] = []  # finish records' decisions, applied after the children

@@ -88,6 +88,7 @@ class CompositeScheduler(SchedulerForwarding):
             c.supports_divergent_local_hybrid_hits for c in connectors
         )
         self.ledger = Ledger()
+        self._ledger_ids = self.ledger.ids
         self.finishes = Finishes()
         self._outputs = OutputRouter(self.ledger, self.finishes, children)
         self._partial_tails: dict[str, set[int]] = {}  # accepted tails, until the finish
@@ -97,6 +98,7 @@ class CompositeScheduler(SchedulerForwarding):
         self.step_stitches: dict[str, StitchLoad] = {}
         self.step_sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = {}
         self.refresh_child_methods()
+        self.guard.on_disable.append(self._choose_lookup)
 
     def refresh_child_methods(self) -> None:
         """Cache the children's bound methods used on the per-request hot paths. Call again
@@ -112,11 +114,16 @@ class CompositeScheduler(SchedulerForwarding):
         self.allocs = [c.update_state_after_alloc for c in connectors]
         self._every_alloc = tuple(enumerate(self.allocs))
         # the fast lookup's candidates: fixed ones (chain, fan-out), with their methods
-        self._fast_asks = (
+        self._asks = (
             tuple((i, self.lookups[i]) for i in self.fixed_candidates.children)
             if self.fixed_candidates is not None and not self._stitching
             else None
         )
+        # per child, the last miss it answered, if that was a tuple ``(0, False)``: a child
+        # answering the same object again answered the same (a tuple of an int and a bool
+        # cannot change), so it is not checked again
+        self._checked_misses: list[object] = [None] * len(connectors)
+        self._choose_lookup()
         self._new_request = tuple(
             (i, connectors[i].on_new_request) for i in children.implementing("on_new_request")
         )
@@ -129,6 +136,12 @@ class CompositeScheduler(SchedulerForwarding):
             for i, c in enumerate(connectors)
         )
         self._outputs.refresh()
+
+    def _choose_lookup(self) -> None:
+        """The fast lookup's candidates, or None where every lookup takes the general path
+        (``lookup.decide``): stitch and route, a debug trace, a child out of lookups."""
+        fast = not (self.debug or self.guard.disabled)
+        self._fast_asks = self._asks if fast else None
 
     def _one_group(self, child: KVConnectorBase_V1) -> Finisher:
         def finish(request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, Any]:
@@ -166,9 +179,9 @@ class CompositeScheduler(SchedulerForwarding):
         """The common case answered here: a request the node holds no record of, fixed
         candidates, no child out of lookups, no debug trace. The same rule as
         ``kvcompose.composite.lookup.decide``, which answers everything else."""
-        record = self.ledger.get(request.request_id)
         asks = self._fast_asks
-        if record is not None or asks is None or self.guard.disabled or self.debug:
+        if asks is None or request.request_id in self._ledger_ids:
+            record = self.ledger.get(request.request_id)
             if self._stitching:
                 timed_out, excluded = lookup.deadline_and_exclusions(record, self.lookup_timeout_s)
                 return stitch.lookup(
@@ -179,12 +192,15 @@ class CompositeScheduler(SchedulerForwarding):
         tokens = 0
         is_async = False
         pending = False
+        checked_misses = self._checked_misses
         for child, ask in asks:
             try:
                 result = ask(request, num_computed_tokens)
             except Exception as exc:
                 self.guard.child_error(child, "get_num_new_matched_tokens", exc)
                 continue  # a miss
+            if result is checked_misses[child]:
+                continue  # the very (immutable) answer that passed the checks before
             try:
                 n, a = result
             except Exception:
@@ -197,6 +213,8 @@ class CompositeScheduler(SchedulerForwarding):
                     if self.longest:
                         continue
                     break
+            elif n == 0 and a is False:
+                checked_misses[child] = result  # a child answers its miss constant
             if n > tokens and (owner < 0 or self.longest):  # the first hit, or a longer one
                 owner, tokens, is_async = child, n, a
                 if self.stop_at_hit:
@@ -293,7 +311,10 @@ class CompositeScheduler(SchedulerForwarding):
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CompositeMetadata:
-        self.debug = logger.isEnabledFor(logging.DEBUG)
+        debug = logger.isEnabledFor(logging.DEBUG)
+        if debug is not self.debug:
+            self.debug = debug
+            self._choose_lookup()
         children = tuple([c.build_connector_meta(scheduler_output) for c in self._connectors])
         metadata = CompositeMetadata(
             children,
@@ -347,7 +368,7 @@ class CompositeScheduler(SchedulerForwarding):
         req_id = request.request_id
         delaying = self._partial_tails.pop(req_id, None) if self._partial_tails else None
         merged: dict[str, Any] | None = None
-        producer: dict[str, int] = {}  # who set each key (read only when params come)
+        producer: dict[str, int] | None = None  # who set each key, once params come
         first_error: BaseException | None = None
         for i, finish in finishers:
             try:
@@ -363,12 +384,15 @@ class CompositeScheduler(SchedulerForwarding):
                     delaying = set()
                 delaying.add(i)
             if params:
+                if producer is None:
+                    producer = {}
                 merged = self._merge_params(merged, params, producer, i, req_id)
-        record = self.ledger.finished(req_id)
         # aborted while loading: the loaders' receive still comes (one, for a stitch)
         loaders = None
-        if record is not None and record.state is LoadState.LOADING:
-            loaders = record.receivers()
+        if req_id in self._ledger_ids:
+            record = self.ledger.finished(req_id)
+            if record is not None and record.state is LoadState.LOADING:
+                loaders = record.receivers()
         if first_error is not None:
             if loaders is not None:
                 self.finishes.finished(req_id, loaders, ())

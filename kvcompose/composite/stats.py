@@ -43,11 +43,14 @@ class NodeCounters:
 
     ``lookups`` is a plain attribute the scheduler half increments inline (it counts every
     decided lookup, on the scheduler's per-request path); ``totals`` shows it under
-    ``"lookups"`` once it is non-zero."""
+    ``"lookups"`` once it is non-zero. ``changed`` (any other counter moved) and
+    ``drained_lookups`` let the node see without a call that nothing is left to drain."""
 
     def __init__(self, child_names: list[str]) -> None:
         self.child_names = child_names
         self.lookups = 0
+        self.drained_lookups = 0
+        self.changed = False
         self._totals: defaultdict[str, int] = defaultdict(int)
         self._drained: dict[str, int] = {}
         self._hit_keys = [(f"hits.{n}", f"hit_tokens.{n}") for n in child_names]
@@ -60,6 +63,7 @@ class NodeCounters:
 
     def inc(self, key: str, n: int = 1) -> None:
         self._totals[key] += n
+        self.changed = True
 
     def lookup(self) -> None:
         self.lookups += 1
@@ -69,6 +73,7 @@ class NodeCounters:
         totals = self._totals
         totals[hits] += 1
         totals[hit_tokens] += tokens
+        self.changed = True
 
     def lookup_timeout(self, child: int) -> None:
         self.inc(f"lookup_timeouts.{self.child_names[child]}")
@@ -77,6 +82,7 @@ class NodeCounters:
         """Counts since the previous ``drain``."""
         previous = self._drained
         totals = self.totals
+        self.changed, self.drained_lookups = False, self.lookups
         if totals == previous:
             return {}
         out = {k: v - previous.get(k, 0) for k, v in totals.items() if v != previous.get(k, 0)}
