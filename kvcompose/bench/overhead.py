@@ -322,9 +322,9 @@ def _summary(
             },
         )
 
-    def paired(a: str, b: str, added: bool = False) -> float | None:
-        """Median over rounds of a/b, each round's two numbers measured side by side
-        (``added``: total time over no connector's in the same round)."""
+    def rounds(a: str, b: str, added: bool = False) -> list[float]:
+        """a/b in each round, the two numbers measured side by side (``added``: total time
+        over no connector's in the same round)."""
         vals = []
         for ra, rb, rn in zip(per_config[a], per_config[b], per_config["none"], strict=True):
             x, y = (
@@ -333,21 +333,29 @@ def _summary(
                 else (ra.in_connector_s, rb.in_connector_s)
             )
             if y > 0:
-                vals.append(x / y)
+                vals.append(round(x / y, 3))
+        return vals
+
+    def median(vals: list[float]) -> float | None:
         return round(statistics.median(vals), 3) if vals else None
 
     ratios: dict[str, OverheadRatios] = {}
     for k in opts.children:
         kvn, mcn = f"kvcompose-{k}", f"multiconnector-{k}"
+        kvc_mc, kvc_direct = rounds(kvn, mcn), rounds(kvn, "direct")
+        mc_direct = rounds(mcn, "direct")
         ratios[f"{k}_children"] = OverheadRatios(
-            kvcompose_over_multiconnector=paired(kvn, mcn),
-            kvcompose_over_direct=paired(kvn, "direct"),
-            multiconnector_over_direct=paired(mcn, "direct"),
+            kvcompose_over_multiconnector=median(kvc_mc),
+            kvcompose_over_direct=median(kvc_direct),
+            multiconnector_over_direct=median(mc_direct),
             kvcompose_no_slower_than_multiconnector=(
                 rows[kvn].in_connector_us_per_request_step
                 <= rows[mcn].in_connector_us_per_request_step
             ),
-            end_to_end_added_kvcompose_over_multiconnector=paired(kvn, mcn, added=True),
+            end_to_end_added_kvcompose_over_multiconnector=median(rounds(kvn, mcn, added=True)),
+            kvcompose_over_multiconnector_rounds=kvc_mc,
+            kvcompose_over_direct_rounds=kvc_direct,
+            multiconnector_over_direct_rounds=mc_direct,
         )
     return OverheadEntry(steps=base.steps, configs=rows, ratios=ratios)
 
@@ -384,14 +392,75 @@ def table(result: OverheadResult) -> Any:
                 f"{row.added_us_per_request_finish:.2f}",
             )
         for k, r in entry.ratios.items():
+            kvc_mc, kvc_direct, mc_direct = _ratio_cells(r)
             t.add_row(
                 n,
                 f"ratio, {k.replace('_', ' ')}",
-                f"kvc/MC {r.kvcompose_over_multiconnector}",
-                f"kvc/direct {r.kvcompose_over_direct}",
-                f"MC/direct {r.multiconnector_over_direct}",
+                f"kvc/MC {kvc_mc}",
+                f"kvc/direct {kvc_direct}",
+                f"MC/direct {mc_direct}",
                 "",
                 "",
                 "",
             )
     return t
+
+
+def _ratio_cells(r: OverheadRatios) -> tuple[str, str, str]:
+    """kvcompose/MultiConnector, kvcompose/direct, MultiConnector/direct, with spreads."""
+    return (
+        _spread(r.kvcompose_over_multiconnector, r.kvcompose_over_multiconnector_rounds),
+        _spread(r.kvcompose_over_direct, r.kvcompose_over_direct_rounds),
+        _spread(r.multiconnector_over_direct, r.multiconnector_over_direct_rounds),
+    )
+
+
+def _spread(median: float | None, rounds: list[float]) -> str:
+    """``median (min-max over rounds)``."""
+    if median is None:
+        return "n/a"
+    if not rounds:
+        return f"{median:.2f}"
+    return f"{median:.2f} ({min(rounds):.2f}-{max(rounds):.2f})"
+
+
+#: Issue 15's goals for the in-connector time, as ratios within one run.
+GOAL_KVC_OVER_MC = 1.0  # at 2 and 4 children
+GOAL_KVC_OVER_DIRECT = 1.15  # the moonshot, at 4 children
+
+
+def markdown(result: OverheadResult) -> str:
+    """``overhead.md``: the in-connector ratios the goals are set in, median (range) over the
+    rounds of ratios taken within a round, and the per-configuration times."""
+    opts = result.meta.options
+    lines = [
+        "# Scheduler-side overhead (in-connector time, no-op children)",
+        "",
+        f"vLLM {result.meta.vllm}, Python {result.meta.python}, {result.meta.cpus} CPUs; "
+        f"{opts.get('repeats')} rounds, each running every configuration interleaved step by "
+        f"step; {opts.get('steps')} decode steps. Ratios: median (min-max) over the rounds of "
+        "the ratio measured within a round. Goals: kvcompose ≤ MultiConnector at 2 and 4 "
+        f"children; moonshot kvcompose ≤ {GOAL_KVC_OVER_DIRECT}x one child called directly at 4.",
+        "",
+        "| N | children | kvcompose / MultiConnector | kvcompose / direct | "
+        "MultiConnector / direct |",
+        "|---|---|---|---|---|",
+    ]
+    for n, entry in result.by_requests.items():
+        for k, r in entry.ratios.items():
+            lines.append(f"| {n} | {k.split('_')[0]} | " + " | ".join(_ratio_cells(r)) + " |")
+    lines += [
+        "",
+        "In-connector µs per request and engine step (best round):",
+        "",
+        "| N | config | in connector µs | calls |",
+        "|---|---|---|---|",
+    ]
+    for n, entry in result.by_requests.items():
+        for name, row in entry.configs.items():
+            if name != "none":
+                lines.append(
+                    f"| {n} | {name} | {row.in_connector_us_per_request_step:.4f} "
+                    f"| {row.connector_calls} |"
+                )
+    return "\n".join(lines) + "\n"

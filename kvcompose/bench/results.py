@@ -295,13 +295,17 @@ class OverheadRow(Record):
 
 
 class OverheadRatios(Record):
-    """In-connector time ratios, medians over rounds of within-round ratios."""
+    """In-connector time ratios, medians over rounds of within-round ratios (``*_rounds``:
+    the ratio in each round, for the spread)."""
 
     kvcompose_over_multiconnector: float | None
     kvcompose_over_direct: float | None
     multiconnector_over_direct: float | None
     kvcompose_no_slower_than_multiconnector: bool
     end_to_end_added_kvcompose_over_multiconnector: float | None
+    kvcompose_over_multiconnector_rounds: list[float] = []
+    kvcompose_over_direct_rounds: list[float] = []
+    multiconnector_over_direct_rounds: list[float] = []
 
 
 class OverheadEntry(Record):

@@ -6,7 +6,8 @@ Split by role like vLLM's larger connectors:
   builds the children and the half its role needs, and forwards every connector member;
 - ``scheduler``: the scheduler half (lookup policy, ownership ledger, per-step loads and sends,
   finish accounting); ``ledger``: its per-request state machines; ``policies``: chain,
-  fan-out and route lookups;
+  fan-out and route candidates; ``lookup``: the lookup rule; ``output_routing``: each
+  child's view of a step's output;
 - ``worker``: the worker half (owner-filtered completion signals, per-child failure
   containment);
 - ``children`` (building and calling children), ``transfer`` (each child's

@@ -61,6 +61,7 @@ class Children(Sequence[Child]):
         self.guard = guard
         self.connectors = [c.connector for c in children]
         self.names = [c.name for c in children]
+        self._implementing: dict[str, tuple[int, ...]] = {}
 
     @overload
     def __getitem__(self, index: int) -> Child: ...
@@ -75,6 +76,23 @@ class Children(Sequence[Child]):
     def __iter__(self) -> Iterator[Child]:
         return iter(self._children)
 
+    def implementing(self, method: str) -> tuple[int, ...]:
+        """The children whose ``method`` is their own, not ``KVConnectorBase_V1``'s inherited
+        unchanged. Where the base method does nothing and returns what the node's
+        aggregation ignores (``None``, ``False``, ``()``, ``(False, None)``), the node calls
+        only these: the others' answer is known. Decided once per method; ``refresh`` after
+        replacing a method on a child instance."""
+        found = self._implementing.get(method)
+        if found is None:
+            found = self._implementing[method] = tuple(
+                i for i, c in enumerate(self.connectors) if not inherits_base(c, method)
+            )
+        return found
+
+    def refresh(self) -> None:
+        """Forget which children implement which methods (see ``implementing``)."""
+        self._implementing.clear()
+
     def all(self, method: str, *args: Any, **kwargs: Any) -> None:
         for child in self.connectors:
             getattr(child, method)(*args, **kwargs)
@@ -87,7 +105,16 @@ class Children(Sequence[Child]):
             return default
 
     def any(self, method: str) -> bool:
-        return any(self.call(i, method, False) for i in range(len(self.connectors)))
+        """Whether any child answers true (a method whose base answer is ``False``)."""
+        call = self.call
+        return any(call(i, method, False) for i in self.implementing(method))
+
+
+def inherits_base(connector: KVConnectorBase_V1, method: str) -> bool:
+    """Whether ``connector.method`` is ``KVConnectorBase_V1``'s own function, unchanged (not
+    overridden by its class, nor replaced on the instance)."""
+    bound = getattr(connector, method)
+    return getattr(bound, "__func__", None) is getattr(KVConnectorBase_V1, method)
 
 
 def child_vllm_config(

@@ -30,9 +30,12 @@ class SchedulerForwarding:
         self._call = children.call
         self._world_size = world_size
 
+    # Asked every step: only the children that implement them are called (the base class's
+    # own return ``()`` and ``False``, which change nothing; ``Children.implementing``).
     def take_events(self) -> Iterable[KVCacheEvent]:
-        for i in range(len(self.children.connectors)):
-            yield from self.children.call(i, "take_events", ())
+        call = self._call
+        for i in self.children.implementing("take_events"):
+            yield from call(i, "take_events", ())
 
     def has_pending_block_frees(self) -> bool:
         return self.children.any("has_pending_block_frees")

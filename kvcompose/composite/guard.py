@@ -54,6 +54,9 @@ class Guard:
         self.errors: Counter[tuple[str, str]] = Counter()
         self.lookup_errors: Counter[int] = Counter()
         self.disabled: set[int] = set()
+        #: Called after a child is taken out of lookups (the scheduler half then stops
+        #: answering lookups on its fast path, which asks every candidate).
+        self.on_disable: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------ violations
     def violation(self, child: int, kind: str, detail: str) -> None:
@@ -114,6 +117,8 @@ class Guard:
             self.lookup_errors[child] += 1
             if self.lookup_errors[child] >= MAX_LOOKUP_ERRORS and child not in self.disabled:
                 self.disabled.add(child)
+                for hook in self.on_disable:
+                    hook()
                 logger.error(
                     "kvcompose[%s]: child %r failed %d lookups; it is no longer asked "
                     "to look up new requests",

@@ -59,6 +59,7 @@ with its filtering.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, KeysView
 from dataclasses import dataclass
 
 from kvcompose.composite import segments as seg
@@ -111,6 +112,14 @@ class LoadRecord:
             return tuple(s.child for s in self.segments if s.active)
         return () if self.owner is None else (self.owner,)
 
+    def receivers(self) -> tuple[int, ...]:
+        """The children a receive of this request belongs to: the owner, or a stitched
+        load's children whose async segments are in flight (the worker sends one receive
+        for all of them)."""
+        if self.segments:
+            return seg.loading(self.segments)
+        return () if self.owner is None else (self.owner,)
+
     def as_dict(self, names: list[str] | None = None) -> dict[str, object]:
         out: dict[str, object] = {
             "state": self.state.value,
@@ -130,10 +139,11 @@ class Ledger:
 
     def __init__(self) -> None:
         self._records: dict[str, LoadRecord] = {}
-
-    # ------------------------------------------------------------------ queries
-    def get(self, req_id: str) -> LoadRecord | None:
-        return self._records.get(req_id)
+        #: The record of a request (None if unknown); the dict's own ``get``: the scheduler
+        #: half asks for every waiting request every step.
+        self.get: Callable[[str], LoadRecord | None] = self._records.get
+        #: The ids of the requests with a record (a live view).
+        self.ids: KeysView[str] = self._records.keys()
 
     def owner(self, req_id: str) -> int | None:
         record = self._records.get(req_id)
@@ -287,21 +297,19 @@ class Signal(enum.Enum):
 @dataclass(slots=True)
 class FinishRecord:
     state: FinishState
-    owner: int | None  # the child whose async load was in flight at the finish
+    # the children whose async load was in flight at the finish: the owner, or a stitched
+    # load's children still loading (the worker sends one receive for all of them); empty
+    # when no load was in flight, or when a stitch's in-flight load has no async segment
+    # left (the worker then signals its end itself)
+    loaders: tuple[int, ...]
     senders: tuple[int, ...]  # the children that delayed the free
-    # a stitched load: the children whose async segments were in flight (the worker sends
-    # one receive for all of them); None for an owned load
-    loaders: tuple[int, ...] | None = None
 
     def as_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {
+        return {
             "state": self.state.value,
-            "owner": self.owner,
+            "loaders": list(self.loaders),
             "senders": list(self.senders),
         }
-        if self.loaders is not None:
-            out["loaders"] = list(self.loaders)
-        return out
 
 
 class Finishes:
@@ -321,44 +329,39 @@ class Finishes:
 
     # ------------------------------------------------------------- transitions
     def finished(
-        self,
-        req_id: str,
-        loading_owner: int | None,
-        senders: tuple[int, ...],
-        loaders: tuple[int, ...] | None = None,
+        self, req_id: str, loaders: tuple[int, ...] | None, senders: tuple[int, ...]
     ) -> None:
-        """``request_finished``: ``loading_owner`` still loads into the request's blocks
-        (``None``: no load in flight; for a stitched load, ``loaders`` are all the children
-        still loading); ``senders`` delayed the free."""
-        if loading_owner is None and not senders:
+        """``request_finished``: ``loaders`` still load into the request's blocks (``None``:
+        no load in flight; see ``FinishRecord.loaders``); ``senders`` delayed the free."""
+        if loaders is None and not senders:
             return
         if not senders:
             state = FinishState.AWAITING_RECV
-        elif loading_owner is None:
+        elif loaders is None:
             state = FinishState.AWAITING_SENDS
         else:
             state = FinishState.AWAITING_RECV_AND_SENDS
-        self._records[req_id] = FinishRecord(state, loading_owner, senders, loaders)
+        self._records[req_id] = FinishRecord(state, loaders or (), senders)
 
-    def received(self, req_id: str) -> tuple[int | None, Signal]:
-        """The receive (or failed receive) of a finished request arrived. Returns the child
-        it belongs to (``None``: no child expected it) and what vLLM is shown."""
+    def received(self, req_id: str) -> tuple[tuple[int, ...], Signal]:
+        """The receive (or failed receive) of a finished request arrived. Returns the children
+        it belongs to (empty: no child expected it) and what vLLM is shown."""
         record = self._records.get(req_id)
         if record is None:
-            return None, Signal.PASS
+            return (), Signal.PASS
         state = record.state
         if state is FinishState.AWAITING_RECV:
             del self._records[req_id]
-            return record.owner, Signal.PASS
+            return record.loaders, Signal.PASS
         if state is FinishState.AWAITING_RECV_AND_SENDS:
             record.state = FinishState.RECEIVED_AWAITING_SENDS
-            return record.owner, Signal.HOLD
+            return record.loaders, Signal.HOLD
         if state is FinishState.SENT_AWAITING_RECV:
             del self._records[req_id]
-            return record.owner, Signal.RELEASE_SEND
+            return record.loaders, Signal.RELEASE_SEND
         if state is FinishState.RECEIVED_AWAITING_SENDS:
-            return None, Signal.HOLD
-        return None, Signal.PASS
+            return (), Signal.HOLD
+        return (), Signal.PASS
 
     def sent(self, req_id: str) -> tuple[tuple[int, ...], Signal]:
         """The (already counted) send of a finished request arrived. Returns the children

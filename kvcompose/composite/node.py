@@ -299,6 +299,13 @@ class CompositeConnector(KVConnectorBase_V1):
 
     # ============================================================= both sides
     def get_kv_connector_stats(self) -> ComposedStats | None:
+        counters = self.counters
+        if not (
+            counters.changed
+            or counters.lookups != counters.drained_lookups
+            or self.children.implementing("get_kv_connector_stats")
+        ):
+            return None  # asked every step: nothing counted, no child has stats
         stats = ComposedStats.collect(self.name, self.children, self.counters)
         return None if stats is None or stats.is_empty() else stats
 

@@ -3,7 +3,9 @@
 It holds the node's lookup policy, the load ledger and the finish records
 (``kvcompose.composite.ledger``), and what one step hands to the worker half: the async loads
 given out (owner per request), the sync loads (owner and blocks), and the requests whose
-free waits for children's sends (``CompositeMetadata``).
+free waits for children's sends (``CompositeMetadata``). What each child is shown of a step's
+output is ``kvcompose.composite.output_routing``'s job; a stitched load's is
+``kvcompose.composite.stitch``'s.
 
 vLLM's scheduler calls ``get_num_new_matched_tokens`` for every waiting request every step,
 and ``update_state_after_alloc`` / ``request_finished`` once or twice per request: those paths
@@ -13,7 +15,6 @@ common well-formed answers inline.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -22,17 +23,12 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 
 from kvcompose import tree as nodes
-from kvcompose.composite import segments as seg
-from kvcompose.composite import stitch
+from kvcompose.composite import lookup, stitch
 from kvcompose.composite.children import Children
 from kvcompose.composite.forwarding import SchedulerForwarding
-from kvcompose.composite.ledger import Finishes, Ledger, LoadState, Signal
-from kvcompose.composite.metadata import (
-    ComposedKVEvents,
-    ComposedWorkerMeta,
-    CompositeMetadata,
-    StitchLoad,
-)
+from kvcompose.composite.ledger import Finishes, Ledger, LoadState
+from kvcompose.composite.metadata import CompositeMetadata, StitchLoad
+from kvcompose.composite.output_routing import OutputRouter
 from kvcompose.composite.policies import RouteLookup, policy_for
 from kvcompose.composite.stats import NodeCounters
 
@@ -70,15 +66,15 @@ class CompositeScheduler(SchedulerForwarding):
         super().__init__(name, children, vllm_config.parallel_config.world_size)
         self.counters = counters
         self.policy = policy_for(tree)
-        self._longest = self.policy.mode == "longest"
+        self.longest = self.policy.mode == "longest"
         # ``first`` stops at the first hit unless every child must be asked (vLLM's
         # MultiConnector does: a child that pins or prefetches on lookup relies on it);
         # the first hit still owns either way.
-        self._stop_at_hit = not (self._longest or ask_every_child)
+        self.stop_at_hit = not (self.longest or ask_every_child)
         # chain and fan-out ask the same children for every request
         fixed = not isinstance(self.policy, RouteLookup)
-        self._fixed_candidates = self.policy.candidates(None) if fixed else None  # type: ignore[arg-type]
-        self._lookup_timeout_s = tree.lookup_timeout_s
+        self.fixed_candidates = self.policy.candidates(None) if fixed else None  # type: ignore[arg-type]
+        self.lookup_timeout_s = tree.lookup_timeout_s
         self.debug = logger.isEnabledFor(logging.DEBUG)  # refreshed every step
         self.block_size = vllm_config.cache_config.block_size
         self._stitching = self.policy.mode == "stitch"
@@ -92,7 +88,9 @@ class CompositeScheduler(SchedulerForwarding):
             c.supports_divergent_local_hybrid_hits for c in connectors
         )
         self.ledger = Ledger()
+        self._ledger_ids = self.ledger.ids
         self.finishes = Finishes()
+        self._outputs = OutputRouter(self.ledger, self.finishes, children)
         self._partial_tails: dict[str, set[int]] = {}  # accepted tails, until the finish
         self._step_loads: dict[str, int] = {}
         self._step_sync_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -100,21 +98,50 @@ class CompositeScheduler(SchedulerForwarding):
         self.step_stitches: dict[str, StitchLoad] = {}
         self.step_sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = {}
         self.refresh_child_methods()
+        self.guard.on_disable.append(self._choose_lookup)
 
     def refresh_child_methods(self) -> None:
         """Cache the children's bound methods used on the per-request hot paths. Call again
-        after replacing a method on a child instance (tracing, fault injection)."""
-        connectors = self.children.connectors
-        self._lookups = [c.get_num_new_matched_tokens for c in connectors]
+        after replacing a method on a child instance (tracing, fault injection).
+
+        ``on_new_request`` and ``request_finished`` are called only on the children that
+        implement them (``Children.implementing``): vLLM's base class's own do nothing and
+        return ``None`` and ``(False, None)``, which the node's answers ignore."""
+        children = self.children
+        children.refresh()
+        connectors = children.connectors
+        self.lookups = [c.get_num_new_matched_tokens for c in connectors]
         self.allocs = [c.update_state_after_alloc for c in connectors]
-        self._new_request = [c.on_new_request for c in connectors]
-        self._finishers: list[Finisher] = [c.request_finished for c in connectors]
-        self._finishers_all_groups: list[Finisher] = [
-            c.request_finished_all_groups
-            if supports_hma(c)  # type: ignore[attr-defined]
-            else self._one_group(c)
-            for c in connectors
-        ]
+        self._every_alloc = tuple(enumerate(self.allocs))
+        # the fast lookup's candidates: fixed ones (chain, fan-out), with their methods
+        self._asks = (
+            tuple((i, self.lookups[i]) for i in self.fixed_candidates.children)
+            if self.fixed_candidates is not None and not self._stitching
+            else None
+        )
+        # per child, the last miss it answered, if that was a tuple ``(0, False)``: a child
+        # answering the same object again answered the same (a tuple of an int and a bool
+        # cannot change), so it is not checked again
+        self._checked_misses: list[object] = [None] * len(connectors)
+        self._choose_lookup()
+        self._new_request = tuple(
+            (i, connectors[i].on_new_request) for i in children.implementing("on_new_request")
+        )
+        self._finishers: tuple[tuple[int, Finisher], ...] = tuple(
+            (i, connectors[i].request_finished) for i in children.implementing("request_finished")
+        )
+        # every child: the one-group wrapper refuses several KV groups, whatever the child
+        self._finishers_all_groups: tuple[tuple[int, Finisher], ...] = tuple(
+            (i, c.request_finished_all_groups if supports_hma(c) else self._one_group(c))  # type: ignore[attr-defined]
+            for i, c in enumerate(connectors)
+        )
+        self._outputs.refresh()
+
+    def _choose_lookup(self) -> None:
+        """The fast lookup's candidates, or None where every lookup takes the general path
+        (``lookup.decide``): stitch and route, a debug trace, a child out of lookups."""
+        fast = not (self.debug or self.guard.disabled)
+        self._fast_asks = self._asks if fast else None
 
     def _one_group(self, child: KVConnectorBase_V1) -> Finisher:
         def finish(request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, Any]:
@@ -149,118 +176,95 @@ class CompositeScheduler(SchedulerForwarding):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        req_id = request.request_id
-        record = self.ledger.get(req_id)
-        if record is None:
-            timed_out, excluded = False, frozenset()
-        else:
-            timed_out = (
-                record.state is LoadState.PENDING
-                and record.pending_since is not None
-                and time.monotonic() - record.pending_since >= self._lookup_timeout_s
-            )
-            excluded = record.excluded
-        if self._stitching:
-            return stitch.lookup(self, request, num_computed_tokens, record, timed_out, excluded)
-        candidates = self._fixed_candidates or self.policy.candidates(request)
-        longest = self._longest
-        # what each child answered, kept only for the debug decision record
-        trace: list[str] | None = [] if self.debug else None
-        best: tuple[int, int, bool] | None = None  # (child, tokens, async)
+        """The common case answered here: a request the node holds no record of, fixed
+        candidates, no child out of lookups, no debug trace. The same rule as
+        ``kvcompose.composite.lookup.decide``, which answers everything else."""
+        asks = self._fast_asks
+        if asks is None or request.request_id in self._ledger_ids:
+            record = self.ledger.get(request.request_id)
+            if self._stitching:
+                timed_out, excluded = lookup.deadline_and_exclusions(record, self.lookup_timeout_s)
+                return stitch.lookup(
+                    self, request, num_computed_tokens, record, timed_out, excluded
+                )
+            return lookup.decide(self, request, num_computed_tokens, record)
+        owner = -1
+        tokens = 0
+        is_async = False
         pending = False
-        timeouts: list[int] = []
-        disabled = self.guard.disabled
-        for child in candidates.children:
-            if child in disabled:
-                continue
-            if child in excluded:
-                if trace is not None:
-                    trace.append(f"{self.children.names[child]}=excluded(failed)")
-                continue
+        checked_misses = self._checked_misses
+        for child, ask in asks:
             try:
-                result = self._lookups[child](request, num_computed_tokens)
+                result = ask(request, num_computed_tokens)
             except Exception as exc:
                 self.guard.child_error(child, "get_num_new_matched_tokens", exc)
-                result = (0, False)
-            if (
-                type(result) is tuple
-                and len(result) == 2
-                and type(result[0]) is int
-                and (result[0] > 0 or not result[1])
-            ):
-                tokens, is_async = result  # well formed: the common case, checked inline
-            else:
-                tokens, is_async = self.guard.normalise_lookup(child, result)
-            if trace is not None:
-                mark = "a" if is_async and tokens else ""
-                trace.append(f"{self.children.names[child]}={tokens}{mark}")
-            if tokens is None:
-                if timed_out:
-                    timeouts.append(child)
-                    continue
-                pending = True
-                if longest:
-                    continue
-                break
-            if tokens > 0 and (best is None or (longest and tokens > best[1])):
-                best = (child, tokens, is_async)
-                if self._stop_at_hit:
+                continue  # a miss
+            if result is checked_misses[child]:
+                continue  # the very (immutable) answer that passed the checks before
+            try:
+                n, a = result
+            except Exception:
+                n = a = None  # not a pair: the guard says what it is
+            # well formed (``lookup.well_formed``): taken as is
+            if type(n) is not int or (n <= 0 and a) or type(result) is not tuple:
+                n, a = self.guard.normalise_lookup(child, result)
+                if n is None:
+                    pending = True
+                    if self.longest:
+                        continue
+                    break
+            elif n == 0 and a is False:
+                checked_misses[child] = result  # a child answers its miss constant
+            if n > tokens and (owner < 0 or self.longest):  # the first hit, or a longer one
+                owner, tokens, is_async = child, n, a
+                if self.stop_at_hit:
                     break
         if pending:
-            self.ledger.mark_pending(req_id, time.monotonic())
+            self.ledger.mark_pending(request.request_id, time.monotonic())
             return None, False
-        for child in timeouts:
-            self.counters.lookup_timeout(child)
-        self.counters.lookup()
-        reason = candidates.reason
-        if timeouts:
-            reason += "+deadline"
-        if excluded:
-            reason += "+fallback"
-        owner, tokens, is_async = best if best is not None else (None, 0, False)
-        if owner is not None or record is not None:  # a plain miss needs no record
-            self.ledger.decide(req_id, owner, tokens, is_async, reason, num_computed_tokens)
-        if owner is not None:
-            self.counters.hit(owner, tokens)
-        if trace is not None:
-            logger.debug(
-                "kvcompose[%s] %s: asked [%s] → owner %s, %d tokens%s, by %s",
-                self.name,
-                req_id,
-                ", ".join(trace),
-                "none" if owner is None else self.children.names[owner],
-                tokens,
-                " async" if is_async else "",
-                reason,
-            )
+        self.counters.lookups += 1
+        if owner < 0:
+            return 0, False  # a plain miss needs no record
+        self.ledger.decide(
+            request.request_id,
+            owner,
+            tokens,
+            is_async,
+            self.fixed_candidates.reason,  # type: ignore[union-attr]
+            num_computed_tokens,
+        )
+        self.counters.hit(owner, tokens)
         return tokens, is_async
 
     def ask(self, child: int, request: Request, at: int) -> tuple[int | None, bool]:
         """One child's lookup at ``at``, through the guard (a raise is a miss)."""
         try:
-            result = self._lookups[child](request, at)
+            result = self.lookups[child](request, at)
         except Exception as exc:
             self.guard.child_error(child, "get_num_new_matched_tokens", exc)
             return 0, False
-        if (
-            type(result) is tuple
-            and len(result) == 2
-            and type(result[0]) is int
-            and (result[0] > 0 or not result[1])
-        ):
-            return result
+        if lookup.well_formed(result):
+            return result  # type: ignore[no-any-return]
         return self.guard.normalise_lookup(child, result)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
+        if num_external_tokens == 0 and self.ledger.get(req_id) is None:
+            # a request the node holds nothing for: every child hears 0 (the common case)
+            for i, alloc in self._every_alloc:
+                try:
+                    alloc(request, blocks, 0)
+                except Exception as exc:
+                    self.guard.child_error(i, "update_state_after_alloc", exc)
+            return
         record = self.ledger.allocated(req_id, num_external_tokens)
         if record is not None and record.segments:
             stitch.allocated(self, record, request, blocks, num_external_tokens)
             return
         owner = record.owner if record is not None else None
-        for i, alloc in enumerate(self.allocs):
+        for i, alloc in self._every_alloc:
             n = num_external_tokens if i == owner else 0
             try:
                 alloc(request, blocks, n)
@@ -307,8 +311,11 @@ class CompositeScheduler(SchedulerForwarding):
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CompositeMetadata:
-        self.debug = logger.isEnabledFor(logging.DEBUG)
-        children = tuple(c.build_connector_meta(scheduler_output) for c in self._connectors)
+        debug = logger.isEnabledFor(logging.DEBUG)
+        if debug is not self.debug:
+            self.debug = debug
+            self._choose_lookup()
+        children = tuple([c.build_connector_meta(scheduler_output) for c in self._connectors])
         metadata = CompositeMetadata(
             children,
             self._step_loads,
@@ -323,78 +330,9 @@ class CompositeScheduler(SchedulerForwarding):
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Each child sees the step's output as if it were the only connector: receives and
-        failures of the loads it owns, sends of the requests it delayed, its own worker
-        metadata and KV events (upstream hands every child everything, so a child that
-        tracks its failures blames itself for another child's failed load). vLLM reads the
-        finished sets after this call (``Scheduler._update_from_kv_xfer_finished``), so the
-        finish records' held signals are taken out of them here."""
-        recv = connector_output.finished_recving or set()
-        failed = connector_output.failed_recving or set()
-        sent = connector_output.finished_sending or set()
-        if connector_output.invalid_block_ids:
-            self.ledger.exclude_owners_of_blocks(connector_output.invalid_block_ids)
-        worker_meta = connector_output.kv_connector_worker_meta
-        events = connector_output.kv_cache_events
-        call = self._call
-        num_children = len(self._connectors)
-        if not (recv or failed or sent or worker_meta or events):
-            for i in range(num_children):  # nothing to attribute: one shared view
-                call(i, "update_connector_output", None, connector_output)
-            return
-        held_recvs: list[str] = []  # finish records' decisions, applied after the children
-        held_sends: list[str] = []
-        released_sends: list[str] = []
-        recv_by: dict[int, set[str]] = {}
-        metas = worker_meta if isinstance(worker_meta, ComposedWorkerMeta) else None
-        segment_failures = metas.failed_segments if metas is not None else {}
-        failed_by: dict[int, set[str]] = {}
-        for req_id in recv | failed:
-            record = self.ledger.get(req_id)
-            loaders: tuple[int, ...] = ()
-            if record is not None and record.segments:
-                loaders = seg.loading(record.segments)
-            elif record is not None and record.owner is not None:
-                loaders = (record.owner,)
-            else:
-                finish = self.finishes.get(req_id)
-                owner, signal = self.finishes.received(req_id)
-                if signal is not Signal.PASS:
-                    held_recvs.append(req_id)
-                    if signal is Signal.RELEASE_SEND:
-                        released_sends.append(req_id)
-                if finish is not None and finish.loaders is not None:
-                    loaders = finish.loaders
-                elif owner is not None:
-                    loaders = (owner,)
-            children_failed = segment_failures.get(req_id, frozenset())
-            self.ledger.recv_finished(req_id, req_id in failed, children_failed)
-            for child in loaders:
-                recv_by.setdefault(child, set()).add(req_id)
-                if child in children_failed:
-                    failed_by.setdefault(child, set()).add(req_id)
-        sent_by: dict[int, set[str]] = {}
-        for req_id in sent:
-            senders, signal = self.finishes.sent(req_id)
-            if signal is Signal.HOLD:
-                held_sends.append(req_id)
-            for child in senders:
-                sent_by.setdefault(child, set()).add(req_id)
-        child_metas = metas.children if metas is not None else None
-        child_events = events.children if isinstance(events, ComposedKVEvents) else None
-        for i in range(num_children):
-            mine = recv_by.get(i, set())
-            view = dataclasses.replace(
-                connector_output,
-                finished_recving=mine or None,
-                failed_recving=(mine & failed) | failed_by.get(i, set()),
-                finished_sending=sent_by.get(i) or None,
-                kv_connector_worker_meta=None if child_metas is None else child_metas[i],
-                kv_cache_events=None if child_events is None else child_events[i],
-            )
-            call(i, "update_connector_output", None, view)
-        if held_recvs or held_sends:
-            _one_terminal_signal(connector_output, held_recvs, held_sends, released_sends)
+        """Each child sees the step's output as if it were the only connector
+        (``kvcompose.composite.output_routing``)."""
+        self._outputs.route(connector_output)
 
     # ------------------------------------------------------------------ finishing
     def register_finished_partial_tail(
@@ -425,14 +363,14 @@ class CompositeScheduler(SchedulerForwarding):
         return self._finish(request, block_ids, self._finishers_all_groups)
 
     def _finish(
-        self, request: Request, block_ids: Any, finishers: list[Finisher]
+        self, request: Request, block_ids: Any, finishers: tuple[tuple[int, Finisher], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        delaying = self._partial_tails.pop(req_id, None)
+        delaying = self._partial_tails.pop(req_id, None) if self._partial_tails else None
         merged: dict[str, Any] | None = None
-        producer: dict[str, int] = {}
+        producer: dict[str, int] | None = None  # who set each key, once params come
         first_error: BaseException | None = None
-        for i, finish in enumerate(finishers):
+        for i, finish in finishers:
             try:
                 delay, params = finish(request, block_ids)
             except Exception as exc:  # every child must still hear the finish
@@ -446,27 +384,25 @@ class CompositeScheduler(SchedulerForwarding):
                     delaying = set()
                 delaying.add(i)
             if params:
+                if producer is None:
+                    producer = {}
                 merged = self._merge_params(merged, params, producer, i, req_id)
-        record = self.ledger.finished(req_id)
         # aborted while loading: the loaders' receive still comes (one, for a stitch)
-        loaders: tuple[int, ...] | None = None  # a stitch: the async segments' children
-        loading: int | None = None
-        if record is not None and record.state is LoadState.LOADING:
-            if record.segments:
-                loaders = seg.loading(record.segments)
-                loading = (loaders or record.loaders())[0]
-            else:
-                loading = record.owner
+        loaders = None
+        if req_id in self._ledger_ids:
+            record = self.ledger.finished(req_id)
+            if record is not None and record.state is LoadState.LOADING:
+                loaders = record.receivers()
         if first_error is not None:
-            if loading is not None:
-                self.finishes.finished(req_id, loading, (), loaders)
+            if loaders is not None:
+                self.finishes.finished(req_id, loaders, ())
             raise first_error
         if delaying:
             senders = self._step_sends[req_id] = tuple(sorted(delaying))
-            self.finishes.finished(req_id, loading, senders, loaders)
+            self.finishes.finished(req_id, loaders, senders)
             return True, merged
-        if loading is not None:
-            self.finishes.finished(req_id, loading, (), loaders)
+        if loaders is not None:
+            self.finishes.finished(req_id, loaders, ())
         return False, merged
 
     def _merge_params(
@@ -494,28 +430,8 @@ class CompositeScheduler(SchedulerForwarding):
 
     # ------------------------------------------------------ the other members
     def on_new_request(self, request: Request) -> None:
-        for i, new_request in enumerate(self._new_request):
+        for i, new_request in self._new_request:
             try:
                 new_request(request)
             except Exception as exc:
                 self.guard.child_error(i, "on_new_request", exc)
-
-
-def _one_terminal_signal(
-    connector_output: KVConnectorOutput,
-    held_recvs: list[str],
-    held_sends: list[str],
-    released_sends: list[str],
-) -> None:
-    """Apply the finish records' decisions to the sets vLLM's scheduler reads next: a
-    request that finished while loading, with a delayed free, gets one ``finished_sending``
-    once both its receive and its send happened (``kvcompose.composite.ledger``)."""
-    out = connector_output
-    for req_id in held_recvs:
-        if out.finished_recving:
-            out.finished_recving.discard(req_id)
-        out.failed_recving.discard(req_id)
-    for req_id in held_sends:
-        out.finished_sending.discard(req_id)  # type: ignore[union-attr]
-    if released_sends:
-        out.finished_sending = (out.finished_sending or set()) | set(released_sends)

@@ -34,29 +34,46 @@ class StatsSource(Protocol):
 
     def call(self, child: int, method: str, default: Any) -> Any: ...
 
+    def implementing(self, method: str) -> tuple[int, ...]: ...
+
 
 class NodeCounters:
     """A node's counters since start (``totals``, for the Python API and tests); vLLM's
-    periodic stats get what changed since the previous collection (``drain``). Incrementing
-    is one dict update: it happens on the scheduler's per-request path."""
+    periodic stats get what changed since the previous collection (``drain``).
+
+    ``lookups`` is a plain attribute the scheduler half increments inline (it counts every
+    decided lookup, on the scheduler's per-request path); ``totals`` shows it under
+    ``"lookups"`` once it is non-zero. ``changed`` (any other counter moved) and
+    ``drained_lookups`` let the node see without a call that nothing is left to drain."""
 
     def __init__(self, child_names: list[str]) -> None:
         self.child_names = child_names
-        self.totals: defaultdict[str, int] = defaultdict(int)
+        self.lookups = 0
+        self.drained_lookups = 0
+        self.changed = False
+        self._totals: defaultdict[str, int] = defaultdict(int)
         self._drained: dict[str, int] = {}
         self._hit_keys = [(f"hits.{n}", f"hit_tokens.{n}") for n in child_names]
 
+    @property
+    def totals(self) -> defaultdict[str, int]:
+        if self.lookups:
+            self._totals["lookups"] = self.lookups
+        return self._totals
+
     def inc(self, key: str, n: int = 1) -> None:
-        self.totals[key] += n
+        self._totals[key] += n
+        self.changed = True
 
     def lookup(self) -> None:
-        self.totals["lookups"] += 1
+        self.lookups += 1
 
     def hit(self, child: int, tokens: int) -> None:
         hits, hit_tokens = self._hit_keys[child]
-        totals = self.totals
+        totals = self._totals
         totals[hits] += 1
         totals[hit_tokens] += tokens
+        self.changed = True
 
     def lookup_timeout(self, child: int) -> None:
         self.inc(f"lookup_timeouts.{self.child_names[child]}")
@@ -64,10 +81,12 @@ class NodeCounters:
     def drain(self) -> dict[str, int]:
         """Counts since the previous ``drain``."""
         previous = self._drained
-        if self.totals == previous:
+        totals = self.totals
+        self.changed, self.drained_lookups = False, self.lookups
+        if totals == previous:
             return {}
-        out = {k: v - previous.get(k, 0) for k, v in self.totals.items() if v != previous.get(k, 0)}
-        self._drained = dict(self.totals)
+        out = {k: v - previous.get(k, 0) for k, v in totals.items() if v != previous.get(k, 0)}
+        self._drained = dict(totals)
         return out
 
 
@@ -89,12 +108,14 @@ class ComposedStats(KVConnectorStats):
     ) -> ComposedStats | None:
         """Node ``node``'s stats since the last collection; None when there are none."""
         by_child: dict[str, dict[str, Any]] = {}
-        for i, (name, connector) in enumerate(
-            zip(children.names, children.connectors, strict=True)
-        ):
+        # a child that inherits the base method has no stats (it returns None)
+        for i in children.implementing("get_kv_connector_stats"):
             stats = children.call(i, "get_kv_connector_stats", None)
             if stats is not None and not stats.is_empty():
-                by_child[name] = {"cls": class_path(type(connector)), "data": stats.to_dict()}
+                by_child[children.names[i]] = {
+                    "cls": class_path(type(children.connectors[i])),
+                    "data": stats.to_dict(),
+                }
         drained = counters.drain()
         if not drained and not by_child:
             return None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
-    from kvcompose.bench.overhead import OverheadOptions, run_overhead, table
+    from kvcompose.bench.overhead import OverheadOptions, markdown, run_overhead, table
 
     result = run_overhead(
         OverheadOptions(requests=[16], children=[2], steps=2, repeats=1, model_dir=str(tiny_model))
@@ -31,6 +31,14 @@ def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
         "kvcompose_over_direct",
     }
     assert table(result).row_count == 5
+    ratios = entry["ratios"]["2_children"]
+    assert len(ratios["kvcompose_over_multiconnector_rounds"]) == 1  # one per round
+    assert (
+        ratios["kvcompose_over_multiconnector"] == ratios["kvcompose_over_multiconnector_rounds"][0]
+    )
+    md = markdown(result)
+    row = next(line for line in md.splitlines() if line.startswith("| 16 | 2 |"))
+    assert f"{ratios['kvcompose_over_multiconnector']:.2f}" in row
 
 
 def test_noop_connector_is_a_complete_connector() -> None:
