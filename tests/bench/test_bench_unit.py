@@ -520,3 +520,25 @@ def test_hits_are_per_replay() -> None:
     hits = metrics.per_replay_hits(runs)
     assert hits.stores["disk"].tokens_loaded == 210  # 100 (seed 0) + 110 (seed 1)
     assert hits.tokens_loaded == 210
+
+
+def test_round_ratios_median_stays_within_their_range() -> None:
+    """With two rounds the median is a mean of two 3-decimal ratios: it is kept at the same
+    precision, so the reported median never falls outside [min, max] (it once read 0.81
+    against a low of 0.814)."""
+    from kvcompose.bench.results import ContenderResult, RequestRow
+    from kvcompose.bench.summary import compare_rounds
+
+    def contender(label: str, ttfts: list[float]) -> ContenderResult:
+        rows = [
+            RequestRow(id=f"r{i}", seed=0, round=i, prompt_tokens=1, cached_tokens=0,
+                       output_tokens=1, ttft_s=t, tpot_s=None, e2e_s=None, arrival_s=0.0)
+            for i, t in enumerate(ttfts)
+        ]  # fmt: skip
+        return ContenderResult(label=label, source=label, kind="none", requests=rows)
+
+    ref = contender("recompute", [0.814, 0.815])
+    tiers = contender("tiers", [1.0, 1.0])
+    compare_rounds([ref, tiers], "recompute")
+    assert tiers.speedup_rounds == [0.814, 0.815]
+    assert tiers.speedup_low <= tiers.ttft_p50_speedup <= tiers.speedup_high
