@@ -15,6 +15,7 @@ loaded for the request are saved whatever the rule says when the store has
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,8 @@ from kvcompose.tree.conditions import (
 
 if TYPE_CHECKING:
     from kvcompose.stores.prefix.config import PrefixStoreConfig
+
+logger = logging.getLogger(__name__)
 
 
 class FrequencySketch:
@@ -125,3 +128,42 @@ class AdmissionRule:
         if self.promote:
             rule += "; chunks another tier loaded are promoted into it"
         return rule
+
+
+class Admission:
+    """A store's admission decisions: its rule, the sketch the rule reads, and the judgement
+    of ``admit_when`` (a condition that cannot be judged rejects, logged once)."""
+
+    def __init__(self, rule: AdmissionRule) -> None:
+        self.rule = rule
+        self.sketch = FrequencySketch() if rule.min_seen > 1 else None
+        self._warned = False
+
+    def seen(self, keys: Iterable[str]) -> None:
+        """A request carrying these chunk keys arrived (counted once per request)."""
+        if self.sketch is not None:
+            self.sketch.add_all(keys)
+
+    def selects(self, request: Any) -> bool:
+        """``admit_when`` for vLLM's ``request`` (the caller keeps the answer per request)."""
+        try:
+            return self.rule.selects(request)
+        except Exception as exc:  # a user predicate or malformed params
+            if not self._warned:
+                self._warned = True
+                logger.error(
+                    "PrefixStoreConnector: admit_when failed on request %s: %s; "
+                    "its saves are rejected (logged once)",
+                    getattr(request, "request_id", "?"),
+                    exc,
+                )
+            return False
+
+    def admits(self, key: str, prompt_len: int, selected: bool) -> bool:
+        """Whether a chunk not stored yet may be saved, by the rule alone (promotion aside)."""
+        rule = self.rule
+        return (
+            prompt_len >= rule.min_prompt_tokens
+            and selected
+            and (self.sketch is None or self.sketch.count(key) >= rule.min_seen)
+        )

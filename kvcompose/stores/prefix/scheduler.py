@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvcompose.stores.prefix.admission import AdmissionRule, FrequencySketch
+from kvcompose.stores.prefix.admission import Admission, AdmissionRule
 from kvcompose.stores.prefix.keys import chunk_keys, lookup_limit_chunks, request_salt
 from kvcompose.stores.prefix.metadata import (
     ChunkLoad,
@@ -106,8 +106,7 @@ class PrefixStoreScheduler:
         #: offered to lookups (the worker copies them from the held blocks).
         self._queued: set[str] = set()
         self.admission = AdmissionRule.from_config(config)
-        self._warned_condition = False
-        self._sketch = FrequencySketch() if config.admit_min_seen > 1 else None
+        self._admission = Admission(self.admission)
         #: Admits, rejects and promotions since the last stats collection, and since start.
         self.stats = PrefixStoreStats()
         self.total_stats = PrefixStoreStats()
@@ -191,8 +190,8 @@ class PrefixStoreScheduler:
             if state is None or state.request is not request or state.salt != salt:
                 state = _ReqState(request=request, salt=salt)
                 self._reqs[req_id] = state
-                if self._sketch is not None and self.saves_enabled:
-                    self._sketch.add_all(self._prompt_keys(request, salt))
+                if self._admission.sketch is not None and self.saves_enabled:
+                    self._admission.seen(self._prompt_keys(request, salt))
             state.block_ids = block_ids
             if req_id in self._local_hit:
                 state.local_hit = self._local_hit.pop(req_id)
@@ -350,31 +349,11 @@ class PrefixStoreScheduler:
             return True
         if rule.everything:
             return True
-        ok = (
-            prompt_len >= rule.min_prompt_tokens
-            and self._selected(state)
-            and (self._sketch is None or self._sketch.count(key) >= rule.min_seen)
-        )
+        if state.selected is None:  # admit_when, judged once per request
+            state.selected = self._admission.selects(state.request)
+        ok = self._admission.admits(key, prompt_len, state.selected)
         self._count(**{"admits" if ok else "rejects": 1})
         return ok
-
-    def _selected(self, state: _ReqState) -> bool:
-        """``admit_when`` for the request, judged once; a condition that cannot be judged
-        (a predicate raising, non-dict ``kv_transfer_params``) rejects, logged once."""
-        if state.selected is None:
-            try:
-                state.selected = self.admission.selects(state.request)
-            except Exception as exc:  # a user predicate or malformed params
-                state.selected = False
-                if not self._warned_condition:
-                    self._warned_condition = True
-                    logger.error(
-                        "PrefixStoreConnector: admit_when failed on request %s: %s; "
-                        "its saves are rejected (logged once)",
-                        state.request.request_id,
-                        exc,
-                    )
-        return state.selected
 
     def _count(self, **counts: int) -> None:
         self.stats.add(**counts)
