@@ -192,14 +192,29 @@ def test_help_mentions_standard_input() -> None:
         assert "or - to read standard input" in " ".join(proc.stdout.split())
 
 
+STORE_LEAF = """\
+tree:
+  leaf:
+    connector: PrefixStoreConnector
+    module_path: kvcompose.stores
+    extra_config: {path: /tmp/kv, admit_when: {param: tenant}}
+"""
+
+
 @pytest.mark.timeout(120)
-def test_validate_answers_without_importing_vllm() -> None:
-    """The fast default: ``validate`` checks a plain config from the file alone."""
+@pytest.mark.parametrize("config", ["example", "store-leaf"])
+def test_validate_answers_without_importing_vllm(config: str, tmp_path: Path) -> None:
+    """The fast default: ``validate`` checks a plain config from the file alone, a kvcompose
+    store leaf's ``extra_config`` included (read by the store's model, not its connector)."""
+    path = EXAMPLES / "two-disk-tiers.yaml"
+    if config == "store-leaf":
+        path = tmp_path / "store.yaml"
+        path.write_text(STORE_LEAF)
     code = (
         "import sys, time\n"
         "start = time.process_time()\n"
         "from kvcompose.cli.main import main\n"
-        f"status = main(['validate', {str(EXAMPLES / 'two-disk-tiers.yaml')!r}])\n"
+        f"status = main(['validate', {str(path)!r}])\n"
         "print(status, 'vllm' in sys.modules, 'torch' in sys.modules, "
         "time.process_time() - start)\n"
     )
