@@ -105,8 +105,7 @@ class PrefixStoreScheduler:
         #: Chunks queued for the background writer and not yet reported written or dropped:
         #: offered to lookups (the worker copies them from the held blocks).
         self._queued: set[str] = set()
-        self.admission = AdmissionRule.from_config(config)
-        self._admission = Admission(self.admission)
+        self.admission = Admission(AdmissionRule.from_config(config))
         #: Admits, rejects and promotions since the last stats collection, and since start.
         self.stats = PrefixStoreStats()
         self.total_stats = PrefixStoreStats()
@@ -152,7 +151,7 @@ class PrefixStoreScheduler:
         it (chunk ``num_computed_tokens // C``): what the engine already holds need not be
         stored, so a tier holding only a later part of a prompt can load that part (a
         ``stitch`` chain's later segment)."""
-        if self.admission.promote:
+        if self.admission.rule.promote:
             self._local_hit[request.request_id] = num_computed_tokens
         if not self.loads_enabled or request.request_id in self._no_store_reqs:
             return 0, False
@@ -190,8 +189,8 @@ class PrefixStoreScheduler:
             if state is None or state.request is not request or state.salt != salt:
                 state = _ReqState(request=request, salt=salt)
                 self._reqs[req_id] = state
-                if self._admission.sketch is not None and self.saves_enabled:
-                    self._admission.seen(self._prompt_keys(request, salt))
+                if self.admission.sketch is not None and self.saves_enabled:
+                    self.admission.seen(self._prompt_keys(request, salt))
             state.block_ids = block_ids
             if req_id in self._local_hit:
                 state.local_hit = self._local_hit.pop(req_id)
@@ -336,7 +335,7 @@ class PrefixStoreScheduler:
 
     def _admit(self, state: _ReqState, idx: int, key: str, prompt_len: int) -> bool:
         """Whether chunk ``idx`` (not stored here) may be saved; counted."""
-        rule = self.admission
+        rule = self.admission.rule
         c = self.chunk_tokens
         if (
             rule.promote
@@ -350,8 +349,8 @@ class PrefixStoreScheduler:
         if rule.everything:
             return True
         if state.selected is None:  # admit_when, judged once per request
-            state.selected = self._admission.selects(state.request)
-        ok = self._admission.admits(key, prompt_len, state.selected)
+            state.selected = self.admission.selects(state.request)
+        ok = self.admission.admits(key, prompt_len, state.selected)
         self._count(**{"admits" if ok else "rejects": 1})
         return ok
 
