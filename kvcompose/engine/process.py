@@ -297,15 +297,9 @@ def _error(exc: BaseException) -> tuple[str, str]:
 
 
 def _resolve(fn: str | Callable[..., Any]) -> Callable[..., Any]:
-    if callable(fn):
-        return fn
-    import importlib
+    from kvcompose.tree.conditions import import_named
 
-    module, _, name = fn.partition(":")
-    target: Any = importlib.import_module(module)
-    for part in name.split("."):
-        target = getattr(target, part)
-    return target
+    return fn if callable(fn) else import_named(fn)
 
 
 def _metrics(llm: Any) -> dict[str, Any]:

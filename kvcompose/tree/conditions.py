@@ -106,8 +106,11 @@ def describe_condition(cond: RequestCondition) -> str:
 def load_predicate(path: str | None) -> Predicate | None:
     """The function a ``predicate`` names (imported once, when the user of the condition is
     built; an import error surfaces there, at engine start)."""
-    if path is None:
-        return None
+    return None if path is None else import_named(path)
+
+
+def import_named(path: str) -> Any:
+    """The object ``"package.module:attr.attr"`` names (raises ImportError/AttributeError)."""
     module_name, _, attr = path.partition(":")
     target: Any = importlib.import_module(module_name)
     for part in attr.split("."):
