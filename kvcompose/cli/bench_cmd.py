@@ -232,7 +232,8 @@ def _run_overhead(args: argparse.Namespace, con: Any) -> int:
     from pathlib import Path
 
     from kvcompose.bench.flags import build
-    from kvcompose.bench.overhead import OverheadOptions, run_overhead, table
+    from kvcompose.bench.overhead import OverheadOptions, run_overhead
+    from kvcompose.bench.overhead_report import table
 
     bench = options_from_args(args)
     result = run_overhead(build(OverheadOptions, args), progress=con if bench.progress else None)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
-    from kvcompose.bench.overhead import OverheadOptions, markdown, run_overhead, table
+    from kvcompose.bench.overhead import OverheadOptions, run_overhead
+    from kvcompose.bench.overhead_report import markdown, table
 
     result = run_overhead(
         OverheadOptions(requests=[16], children=[2], steps=2, repeats=1, model_dir=str(tiny_model))
