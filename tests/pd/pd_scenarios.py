@@ -44,6 +44,7 @@ from kvcompose.testing.trees import chain, kvcompose_config, multiconnector_conf
 LEASE_S = 300
 BLOCK = 32
 PROMPT_LEN = 200  # 6 full blocks + 8 tokens
+FULL_PREFIX = (PROMPT_LEN - 1) // BLOCK * BLOCK  # what a store can hold: blocks in prompt[:-1]
 D_TOKENS = 24  # D decodes long enough that "freed before D's request ended" means something
 #: The bound the tests assert on P's hold after D's allocation (the lease is 300 s).
 FREE_WITHIN_S = 5.0

@@ -18,6 +18,7 @@ import pytest
 from pd_scenarios import (
     D_TOKENS,
     FREE_WITHIN_S,
+    FULL_PREFIX,
     PROMPT_LEN,
     _node,
     assert_clean,
@@ -39,7 +40,6 @@ from kvcompose.testing.pd import EngineProcess
 pytestmark = [pytest.mark.engine, pytest.mark.pd, pytest.mark.timeout(900)]
 
 SEEDS = range(20, 40)
-FULL_PREFIX = (PROMPT_LEN - 1) // 32 * 32  # what a store can hold: blocks inside prompt[:-1]
 
 
 @pytest.fixture(scope="module")

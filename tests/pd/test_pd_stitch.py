@@ -30,6 +30,7 @@ from pd_scenarios import (
     BLOCK,
     D_TOKENS,
     FREE_WITHIN_S,
+    FULL_PREFIX,
     PROMPT_LEN,
     assert_clean,
     assert_crossed,
@@ -52,7 +53,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.pd, pytest.mark.timeout(600)]
 
 SEEDS = range(50, 54)
 PROMPT_BLOCKS = -(-PROMPT_LEN // BLOCK)  # 7: P holds and a whole pull moves 7 blocks
-FULL_PREFIX = (PROMPT_LEN - 1) // BLOCK * BLOCK  # what a store can hold: blocks in prompt[:-1]
 
 
 @dataclass
