@@ -221,11 +221,13 @@ def handoff(
     corrupt_p: bool = False,
     tamper: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     p_free_timeout: float = 30.0,
+    d_request_id: str | None = None,
 ) -> Handoff:
     """The proxy flow for one prompt, measured. ``corrupt_p`` overwrites P's KV blocks of
     the request with noise before D reads them (a negative control); ``tamper`` changes the
-    ``kv_transfer_params`` D is handed (fault injection). Waits up to ``p_free_timeout`` s
-    for P to free the prefill request's blocks."""
+    ``kv_transfer_params`` D is handed (fault injection); ``d_request_id`` names D's request
+    (a fault-injecting store matches it). Waits up to ``p_free_timeout`` s for P to free the
+    prefill request's blocks."""
     before = nixl_totals(d.stats()) if stats else None
     (p_out,) = p.call(pd.run_requests, [tokens], 1, {"do_remote_decode": True})
     p_req = p_out["request_id"]
@@ -236,7 +238,8 @@ def handoff(
     if corrupt_p:
         assert p.call(pd.corrupt_request_blocks, p_req) > 0
     d_params = params if tamper is None else tamper(dict(params))
-    (d_out,) = d.call(pd.run_requests, [tokens], max_tokens, d_params)
+    d_ids = None if d_request_id is None else [d_request_id]
+    (d_out,) = d.call(pd.run_requests, [tokens], max_tokens, d_params, request_ids=d_ids)
     d_req = d_out["request_id"]
     p.wait_until(p_request_freed(p_req), p_free_timeout)
     after = nixl_totals(d.stats()) if stats else None

@@ -45,13 +45,15 @@ from pd_scenarios import (
 )
 
 from kvcompose.introspect import node_stats
-from kvcompose.testing import pd
+from kvcompose.testing import faulty_store, pd
 from kvcompose.testing.pd import EngineProcess
 from kvcompose.testing.trees import chain, kvcompose_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.pd, pytest.mark.timeout(600)]
 
-SEEDS = range(50, 54)
+SEEDS = range(50, 55)
+#: D's request id whose disk-tier loads fail (``kvcompose.testing.faulty_store``).
+DISK_FAILS = "disk-fails"
 PROMPT_BLOCKS = -(-PROMPT_LEN // BLOCK)  # 7: P holds and a whole pull moves 7 blocks
 
 
@@ -73,8 +75,15 @@ def bed(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     pytest.importorskip("nixl")
     stores = tmp_path_factory.mktemp("pd-stitch")
     p_cfg = kvcompose_config(chain("p", nixl_leaf()), kv_buffer_device="cpu")
+    # D's disk tier is the store itself, with one switch: loads of DISK_FAILS fail
+    disk = disk_leaf(stores / "d")
+    # (range modes go by class name, so the subclass says it is the store's: native)
+    disk.update(
+        connector=faulty_store.CONNECTOR, module_path=faulty_store.MODULE_PATH, load_range="native"
+    )
+    disk["extra_config"]["fail_load_request_ids"] = [DISK_FAILS]
     d_cfg = kvcompose_config(
-        chain("d", disk_leaf(stores / "d"), nixl_leaf(), policy="stitch"),
+        chain("d", disk, nixl_leaf(), policy="stitch"),
         kv_buffer_device="cpu",
         kv_load_failure_policy="recompute",
     )
@@ -190,3 +199,25 @@ def test_a_failed_nixl_segment_keeps_the_disk_segment(bed):
     assert p.wait_until(p_request_freed(h.p_request), FREE_WITHIN_S) is not None
     assert_clean(p, d)
     print(f"stitch, NIXL failed: {h.row()}")
+
+
+def test_a_failed_disk_segment_is_recomputed_and_nixl_still_frees_p(bed):
+    """(d') The first segment fails: the disk tier's sync load reports its blocks invalid
+    (``FaultyPrefixStoreConnector``; the store itself otherwise). vLLM keeps the valid
+    prefix before the first invalid block (none: the disk segment starts at 0), so D
+    recomputes the prompt, while NIXL's segment still pulls its 5 blocks and P is freed
+    as after any pull; the output equals one engine's."""
+    p, d = bed.prefill, bed.decode
+    seed_disk(d, prompt(54)[:70])
+    disk_before = _disk_loaded(d)
+    h = handoff(p, d, prompt(54), d_request_id=DISK_FAILS)
+    assert h.d_tokens == bed.ref[54], h.row()
+    assert h.offers == {"disk": (64, False), "nixl": (PROMPT_LEN - 64, True)}
+    assert h.allocs == {"disk": 64, "nixl": PROMPT_LEN - 64}
+    assert _disk_loaded(d) == disk_before  # the disk read nothing
+    assert h.transfers == 1  # NIXL's segment went through
+    assert h.bytes_moved == bed.block_bytes * (PROMPT_BLOCKS - 2), h.row()
+    assert h.d_prompt_computed == PROMPT_LEN, h.row()  # nothing before the disk segment kept
+    assert_p_freed_fast(h)
+    assert_clean(p, d)
+    print(f"stitch, disk failed: {h.row()}")
