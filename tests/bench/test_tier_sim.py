@@ -1,0 +1,64 @@
+"""``benchmarks/tier_sim.py``, the trace-level model of two store tiers: it reproduces the
+engine's committed per-tier hit tokens and bytes written on the Mooncake conversation
+sample, and its admission follows the store's (a chunk counts the request carrying it)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+CONVERSATION = BENCH / "results" / "mooncake_tiers"
+
+
+@pytest.fixture(scope="module")
+def sim() -> ModuleType:
+    sys.path.insert(0, str(BENCH))  # tier_sim imports mooncake_tiers beside it
+    try:
+        import tier_sim
+    finally:
+        sys.path.remove(str(BENCH))
+    return tier_sim
+
+
+def test_reproduces_the_engine_run_on_the_conversation_sample(sim: ModuleType) -> None:
+    trace = Path(json.loads((CONVERSATION / "sample.json").read_text())["trace"])
+    if not trace.exists():
+        pytest.skip(f"{trace} is not on this machine")
+    results = CONVERSATION / "history" / "single-round-results.json"
+    rows = sim.compare(CONVERSATION, results)
+    assert {r["label"] for r in rows} == {
+        "slow", "first", "longest", "longest-sync", "admission", "promotion", "both"
+    }  # fmt: skip
+    for row in rows:
+        for tier in ("fast", "slow"):
+            for metric in ("hit_tokens", "bytes_written"):
+                measured, simulated = row[tier][metric]
+                assert simulated == measured, (row["label"], tier, metric)
+
+
+def _request(sim: ModuleType, blocks: list[int]) -> object:
+    return sim.Scaled(trace_index=0, blocks=blocks, prompt_tokens=len(blocks) * 64, max_tokens=1)
+
+
+def test_admission_counts_the_request_and_longest_ties_go_to_the_fast_tier(
+    sim: ModuleType,
+) -> None:
+    """Three turns of one 512-token prompt (four chunks, three inside ``prompt[:-1]``):
+    with ``admit_min_seen: 2`` the fast tier rejects the first turn, admits the second
+    (which the slow tier serves) and serves the third (a tie, so the earlier tier)."""
+    turn = _request(sim, list(range(1, 9)))
+    cap = 8 * sim.CHUNK_FILE_BYTES
+    admission = sim.Config("longest", sim.Rule(min_seen=2))
+    out = sim.simulate([turn, turn, turn], admission, cap)
+    assert out["slow"]["hit_tokens"] == 3 * 128
+    assert out["fast"]["hit_tokens"] == 3 * 128
+    assert out["fast"]["chunks_written"] == 4
+    assert out["fast"]["rejects"] == 4
+    every = sim.simulate([turn, turn, turn], sim.Config("longest", sim.Rule()), cap)
+    assert every["fast"]["hit_tokens"] == 2 * 3 * 128
+    assert every["slow"]["hit_tokens"] == 0
