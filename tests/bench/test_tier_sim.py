@@ -1,9 +1,11 @@
 """``benchmarks/tier_sim.py``, the trace-level model of two store tiers: it reproduces the
 engine's committed per-tier hit tokens and bytes written on the Mooncake conversation
-sample, and its admission follows the store's (a chunk counts the request carrying it)."""
+sample (``tier_sweep.compare``), and its admission follows the store's (a chunk's count
+includes the request carrying it)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -15,14 +17,17 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 CONVERSATION = BENCH / "results" / "mooncake_tiers"
 
 
-@pytest.fixture(scope="module")
-def sim() -> ModuleType:
-    sys.path.insert(0, str(BENCH))  # tier_sim imports mooncake_tiers beside it
+def _bench_module(name: str) -> ModuleType:
+    sys.path.insert(0, str(BENCH))  # the benchmarks import each other
     try:
-        import tier_sim
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH))
-    return tier_sim
+
+
+@pytest.fixture(scope="module")
+def sim() -> ModuleType:
+    return _bench_module("tier_sim")
 
 
 def test_reproduces_the_engine_run_on_the_conversation_sample(sim: ModuleType) -> None:
@@ -30,7 +35,7 @@ def test_reproduces_the_engine_run_on_the_conversation_sample(sim: ModuleType) -
     if not trace.exists():
         pytest.skip(f"{trace} is not on this machine")
     results = CONVERSATION / "history" / "single-round-results.json"
-    rows = sim.compare(CONVERSATION, results)
+    rows = _bench_module("tier_sweep").compare(CONVERSATION, results)
     assert {r["label"] for r in rows} == {
         "slow", "first", "longest", "longest-sync", "admission", "promotion", "both"
     }  # fmt: skip
