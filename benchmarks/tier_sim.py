@@ -15,9 +15,14 @@ two chunk stores modelled as the PrefixStoreConnector behaves in a chain:
   another tier loaded for the request are saved whatever the rule says;
 - **eviction**: least recently written or loaded file first, down to ``max_bytes``; loads
   touch and writes stamp a request's chunks in reverse prefix order (a request's first
-  chunks newest). A background store evicts between steps after its writer wrote, which on
-  an idle engine is after the next request's lookup (``--evict next``); a synchronous
-  store right after writing (``--evict write``).
+  chunks newest). A background store evicts between steps after its writer wrote: in the
+  request's next (decode) step when it has one, else (an idle engine takes no steps) in the
+  next request's step, after its lookup and its saves' plan (``Config.evict="next"``); a
+  synchronous store right after writing (``"write"``);
+- **in-flight saves**: a chunk planned in the last ``INFLIGHT_SAVE_STEPS + 1`` steps is not
+  planned again (the scheduler half's dedupe), even when evicted since;
+- **counting**: the bench's warm-up prompts first, their counts left out; with
+  ``as_bench`` the last request's background writes too when no later step reports them.
 
 What it leaves out: requests overlapping in the engine (each request here finishes before
 the next is looked up), the writer's queue (a chunk is written before the next lookup) and
@@ -37,6 +42,7 @@ from mooncake_tiers import CHUNK_TOKENS, Scaled
 
 from kvcompose.stores.prefix.admission import Admission, AdmissionRule, FrequencySketch
 from kvcompose.stores.prefix.keys import lookup_limit_chunks
+from kvcompose.stores.prefix.scheduler import INFLIGHT_SAVE_STEPS
 from kvcompose.tree.conditions import RequestCondition
 
 #: One chunk's file (the built-in bench model, 128 tokens): the engine run's bytes written
@@ -44,6 +50,10 @@ from kvcompose.tree.conditions import RequestCondition
 #: ``mooncake_tiers/history/single-round-results.json``).
 CHUNK_FILE_BYTES = 4_195_248
 PER_CHUNK_BLOCKS = CHUNK_TOKENS // 64
+#: How many steps after a save was planned the scheduler half still skips the chunk:
+#: planned at step s, skipped at steps up to s + INFLIGHT_SAVE_STEPS + 1 (the dict is
+#: pruned after each step's planning).
+WINDOW = INFLIGHT_SAVE_STEPS + 1
 
 
 @dataclass(frozen=True)
@@ -97,10 +107,14 @@ class Tier:
     max_bytes: int | None
     rule: Rule = field(default_factory=Rule)
     files: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    #: Chunk key -> step its save was planned (the scheduler half's ``_inflight_saves``).
+    inflight: dict[str, int] = field(default_factory=dict)
     hit_tokens: int = 0
     chunks_written: int = 0
     evictions: int = 0
     evict_due: bool = False
+    #: Chunks the last request wrote and no later step reported.
+    unreported: int = 0
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.rule.store_rule())
@@ -150,7 +164,12 @@ class Config:
 
     policy: str = "longest"  # first | longest | stitch
     fast: Rule | None = field(default_factory=Rule)  # None: the slow tier alone
-    evict: str = "next"  # next (background) | write (sync)
+    #: Background stores (``save_mode: background``) or synchronous ones.
+    background: bool = True
+    #: When a store evicts after writing: "next" (a background store: at its next step),
+    #: "write" (right after writing: a synchronous store, or a background one before
+    #: 270378c, whose writer thread evicted).
+    evict: str = "next"
 
 
 def config_of(contender: dict[str, Any]) -> Config | None:
@@ -161,16 +180,17 @@ def config_of(contender: dict[str, Any]) -> Config | None:
         return None
     leaves = {c["leaf"]["name"]: c["leaf"].get("extra_config", {}) for c in chain["children"]}
     fast = leaves.get("fast")
-    evict = "write" if leaves["slow"].get("save_mode", "sync") == "sync" else "next"
+    background = leaves["slow"].get("save_mode", "sync") == "background"
+    evict = "next" if background else "write"
     if fast is None:
-        return Config(chain.get("policy", "first"), None, evict)
+        return Config(chain.get("policy", "first"), None, background, evict)
     rule = Rule(
         min_seen=fast.get("admit_min_seen", 1),
         min_prompt_tokens=fast.get("admit_min_prompt_tokens", 0),
         max_prompt_tokens=(fast.get("admit_when") or {}).get("max_prompt_tokens"),
         promote=fast.get("promote", False),
     )
-    return Config(chain.get("policy", "first"), rule, evict)
+    return Config(chain.get("policy", "first"), rule, background, evict)
 
 
 @dataclass
@@ -179,6 +199,9 @@ class Prompt:
 
     keys: list[str]
     tokens: int
+    #: Engine steps it takes alone: its prefill (one step: prompts <= the 2,048-token
+    #: batch) and one per further output token.
+    steps: int = 1
 
 
 def prompts(reqs: list[Scaled]) -> list[Prompt]:
@@ -186,13 +209,17 @@ def prompts(reqs: list[Scaled]) -> list[Prompt]:
     after the bench's two warm-up prompts (median length, sharing nothing)."""
     lens = sorted(r.prompt_tokens for r in reqs)
     warm = lens[len(lens) // 2] if lens else 256
-    out = [Prompt([f"warmup{i}/{c}" for c in range(warm // CHUNK_TOKENS)], warm) for i in range(2)]
+    # Both warm-ups arrive at once: two prefill steps, then the rest of their 4 tokens.
+    out = [
+        Prompt([f"warmup{i}/{c}" for c in range(warm // CHUNK_TOKENS)], warm, 1 + 3 * i)
+        for i in range(2)
+    ]
     for r in reqs:
         keys = [
             ",".join(map(str, r.blocks[: (c + 1) * PER_CHUNK_BLOCKS]))
             for c in range(r.prompt_tokens // CHUNK_TOKENS)
         ]
-        out.append(Prompt(keys, r.prompt_tokens))
+        out.append(Prompt(keys, r.prompt_tokens, r.max_tokens))
     return out
 
 
@@ -216,9 +243,12 @@ def working_set_bytes(reqs: list[Scaled]) -> int:
     return len(keys) * CHUNK_TOKENS * 32 * 1024  # as mooncake_tiers.build counts it
 
 
-def simulate(reqs: list[Scaled], config: Config, fast_max_bytes: int) -> dict[str, Any]:
+def simulate(
+    reqs: list[Scaled], config: Config, fast_max_bytes: int, *, as_bench: bool = False
+) -> dict[str, Any]:
     """Replay ``reqs`` through ``config``; per tier: hit tokens, chunks written, evictions,
-    admits/rejects/promotions (the warm-up prompts' counts left out, as the bench does)."""
+    admits/rejects/promotions (the warm-up prompts' counts left out, as the bench does).
+    ``as_bench``: chunks written as the bench counts them (see ``unreported``)."""
     tiers = [Tier("slow", None)]
     if config.fast is not None:
         tiers.insert(0, Tier("fast", fast_max_bytes, config.fast))
@@ -230,7 +260,9 @@ def simulate(reqs: list[Scaled], config: Config, fast_max_bytes: int) -> dict[st
         for rank, p in enumerate(replayed)
         for key in p.keys[: lookup_limit_chunks(p.tokens, c)]
     }
+    step = 0
     for rank, p in enumerate(replayed):
+        step += 1  # the request's prefill step: lookup, load, saves planned
         if rank == 2:  # the replay starts: the bench counts deltas from here
             for t in tiers:
                 t.hit_tokens = t.chunks_written = t.evictions = 0
@@ -242,8 +274,6 @@ def simulate(reqs: list[Scaled], config: Config, fast_max_bytes: int) -> dict[st
             t.hit_tokens += n * c
         loaded = sum(n for _, _, n in loads) * c
         for t in tiers:
-            if t.evict_due:  # a background store's pass after the previous writes
-                t.evict()
             t.admission.seen(p.keys)
             if t.sketch is not None:
                 t.sketch.add_all(p.keys)
@@ -252,7 +282,10 @@ def simulate(reqs: list[Scaled], config: Config, fast_max_bytes: int) -> dict[st
             saves = []
             selected: bool | None = None
             for idx, key in enumerate(p.keys):
-                if key in t.files:
+                # A save planned in the last INFLIGHT_SAVE_STEPS steps counts as on its
+                # way even when written and evicted since (an idle engine takes no steps).
+                planned = t.inflight.get(key)
+                if key in t.files or (planned is not None and step - planned <= WINDOW):
                     continue
                 rule = t.admission.rule
                 extra = t.rule
@@ -273,12 +306,25 @@ def simulate(reqs: list[Scaled], config: Config, fast_max_bytes: int) -> dict[st
                     if not ok:
                         continue
                 saves.append(key)
-            t.touch(saves)
-            t.chunks_written += len(saves)
-            if config.evict == "write":
+            # A background store's eviction pass after the previous request's writes runs
+            # in this step's ``wait_for_save``: after the scheduler planned this request's
+            # saves against the files still there, before the writer writes them.
+            if t.evict_due:
                 t.evict()
+            t.touch(saves)
+            t.inflight.update((key, step) for key in saves)
+            t.chunks_written += len(saves)
+            # A background writer's writes are reported in a later step's output: a last
+            # request without a decode step leaves them out of the bench's counts.
+            t.unreported = len(saves) if p.steps == 1 and config.background else 0
+            if config.evict == "write" or (saves and p.steps > 1):
+                t.evict()  # synchronous, or in the request's own next (decode) step
             else:
-                t.evict_due = True
+                t.evict_due = bool(saves) or t.evict_due
+        step += p.steps - 1
+    for t in tiers:
+        if as_bench:
+            t.chunks_written -= t.unreported
     return {
         t.name: {
             "hit_tokens": t.hit_tokens,
