@@ -19,13 +19,17 @@ chunks inside ``prompt[:-1]`` (what a store can serve).
 **Tiers.** ``fast``: a PrefixStoreConnector on tmpfs with ``max_bytes`` set to a fifth of the
 sample's working set (its distinct chunks); ``slow``: one on disk, unbounded. Both save in
 the background (``save_mode: background``); ``longest-sync`` is plain ``longest`` with the
-stores writing in the engine step, for comparison. Admission: ``admit_min_seen: 2``.
+stores writing in the engine step, for comparison. Admission: ``admit_min_seen: 3``
+(``--admit-min-seen``; the rule ``tier_sim.py``'s sweep picks, see
+``results/tier_sim/README.md``; the first runs used 2).
 Promotion: ``promote: true`` on the fast tier.
 
 Run: ``flock /tmp/kvcompose-engine.lock .venv/bin/python benchmarks/mooncake_tiers.py``
-(about 10 minutes on 2 cores); results (the bench's report plus ``sample.json`` and
-``summary.md``) go to ``benchmarks/results/mooncake_tiers/``. The synthetic trace:
-``--trace .../synthetic_trace.jsonl --gap 2.0 --out benchmarks/results/mooncake_tiers_synthetic``.
+(about 10 minutes a round on 2 cores; ``--rounds``, default 3, each contender once a
+round in rotated order; ``--only`` to run some); results (the bench's report plus
+``sample.json`` and ``summary.md``) go to ``benchmarks/results/mooncake_tiers/``. The
+synthetic trace: ``--trace .../synthetic_trace.jsonl --gap 2.0
+--out benchmarks/results/mooncake_tiers_synthetic``.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -102,6 +107,30 @@ def token_block(h: int, seed: int) -> list[int]:
     return tb(f"mc{h}", BLOCK_TOKENS, vocab_size=1024, seed=seed)
 
 
+class Scaled(NamedTuple):
+    """One sampled trace request at the bench's scale."""
+
+    trace_index: int
+    #: The trace's hash ids of the blocks the scaled prompt covers (64 tokens each).
+    blocks: list[int]
+    prompt_tokens: int
+    max_tokens: int
+
+
+def scale(rows: list[dict[str, Any]], picked: list[int]) -> list[Scaled]:
+    """The picked requests in trace order, lengths scaled (see the module docstring)."""
+    out = []
+    for i in picked:
+        r = rows[i]
+        hash_ids = [int(h) for h in r["hash_ids"]]
+        n = max(1, round(int(r["input_length"]) * BLOCK_TOKENS / 512))
+        n = min(n, MAX_PROMPT, len(hash_ids) * BLOCK_TOKENS)
+        used = hash_ids[: (n + BLOCK_TOKENS - 1) // BLOCK_TOKENS]
+        tokens = max(1, min(round(int(r.get("output_length", 1)) * 0.05), 16))
+        out.append(Scaled(i, used, n, tokens))
+    return out
+
+
 def build(args: argparse.Namespace) -> dict[str, Any]:
     rows = read(args.trace)
     picked = sample(rows, args.requests, args.seed)
@@ -109,12 +138,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     seen: set[int] = set()
     chunks_seen: set[tuple[int, ...]] = set()
     ceiling_tokens = prompt_tokens = blocks = reused_blocks = 0
-    for rank, i in enumerate(picked):
-        r = rows[i]
-        hash_ids = [int(h) for h in r["hash_ids"]]
-        n = max(1, round(int(r["input_length"]) * BLOCK_TOKENS / 512))
-        n = min(n, MAX_PROMPT, len(hash_ids) * BLOCK_TOKENS)
-        used = hash_ids[: (n + BLOCK_TOKENS - 1) // BLOCK_TOKENS]
+    for rank, req in enumerate(scale(rows, picked)):
+        used, n = req.blocks, req.prompt_tokens
         lead = 0
         for h in used:
             if h not in seen:
@@ -130,14 +155,13 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         seen.update(used)
         prompt = [t for h in used for t in token_block(h, args.seed)][:n]
         prompt_tokens += n
-        out = max(1, min(round(int(r.get("output_length", 1)) * 0.05), 16))
         lines.append(
             {
-                "id": f"mc{i}",
+                "id": f"mc{req.trace_index}",
                 "arrival_s": round(rank * args.gap, 3),
                 "prompt_token_ids": prompt,
-                "max_tokens": out,
-                "trace_index": i,
+                "max_tokens": req.max_tokens,
+                "trace_index": req.trace_index,
             }
         )
     working_set = len(chunks_seen) * CHUNK_TOKENS * KV_BYTES_PER_TOKEN
@@ -181,7 +205,7 @@ def chain(policy: str, fast: dict[str, Any], slow: dict[str, Any]) -> str:
     )
 
 
-def contenders(info: dict[str, Any], out: Path) -> list[str]:
+def contenders(info: dict[str, Any], out: Path, admit_min_seen: int = 3) -> list[str]:
     cap = info["fast_max_bytes"]
     bg = {"save_mode": "background"}
     fast = {"medium": "tmpfs", "max_bytes": cap, **bg}
@@ -192,9 +216,9 @@ def contenders(info: dict[str, Any], out: Path) -> list[str]:
         "first": chain("first", fast, slow),
         "longest": chain("longest", fast, slow),
         "longest-sync": chain("longest", {"medium": "tmpfs", "max_bytes": cap}, {"medium": "disk"}),
-        "admission": chain("longest", {**fast, "admit_min_seen": 2}, slow),
+        "admission": chain("longest", {**fast, "admit_min_seen": admit_min_seen}, slow),
         "promotion": chain("longest", {**fast, "promote": True}, slow),
-        "both": chain("longest", {**fast, "admit_min_seen": 2, "promote": True}, slow),
+        "both": chain("longest", {**fast, "admit_min_seen": admit_min_seen, "promote": True}, slow),
     }
     cdir = out / "contenders"
     cdir.mkdir(parents=True, exist_ok=True)
@@ -207,20 +231,24 @@ def contenders(info: dict[str, Any], out: Path) -> list[str]:
 
 
 def summarize(out: Path) -> str:
-    """The per-configuration table from the bench's ``results.json`` and ``sample.json``."""
+    """The per-configuration table from the bench's ``results.json`` and ``sample.json``:
+    TTFT p50 as the median of the rounds' p50s with their range, the ratio to recompute as
+    the median of the per-round ratios with their range, p90 over every round's requests,
+    hit tokens and bytes per replay (the mean over rounds)."""
     info = json.loads((out / "sample.json").read_text())
     results = json.loads((out / "bench" / "results.json").read_text())
     ceiling = info["ceiling_hit_tokens"]
+    rounds = results["meta"].get("repeats", 1)
     rows = [
         f"Sample: {info['requests']} requests, {info['prompt_tokens']:,} prompt tokens, "
         f"one every {info['gap_s']} s; reuse ceiling {ceiling:,} hit tokens "
         f"({info['ceiling_percent_of_prompt_tokens']} % of prompt tokens; "
         f"{info['block_reuse_percent']} % of trace blocks); working set "
         f"{info['working_set_bytes'] / 2**20:.0f} MiB, fast tier capped at "
-        f"{info['fast_max_bytes'] / 2**20:.0f} MiB.",
+        f"{info['fast_max_bytes'] / 2**20:.0f} MiB; {rounds} round(s).",
         "",
-        "| configuration | TTFT p50 ms | p90 ms | vs recompute | hit tokens fast | slow "
-        "| % of ceiling | MiB written fast | slow | agree % |",
+        "| configuration | TTFT p50 ms (rounds) | p90 ms | vs recompute (range) "
+        "| hit tokens fast | slow | % of ceiling | MiB written fast | slow | agree % |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in results["contenders"]:
@@ -230,9 +258,15 @@ def summarize(out: Path) -> str:
         slow = stores.get("slow", {})
         hit = sum(s.get("tokens_loaded", 0) for s in stores.values())
         agree = (c.get("agreement") or {}).get("percent")
+        p50s = c.get("ttft_p50_rounds") or [lat["ttft_p50_s"]]
+        p50 = f"{statistics.median(p50s) * 1e3:,.0f}"
+        if len(p50s) > 1:
+            p50 += " (" + ", ".join(f"{v * 1e3:,.0f}" for v in p50s) + ")"
+        ratio = f"{c.get('ttft_p50_speedup') or 1.0:.1f}x"
+        if c.get("speedup_low") is not None and len(c.get("speedup_rounds") or []) > 1:
+            ratio += f" ({c['speedup_low']:.1f}-{c['speedup_high']:.1f})"
         rows.append(
-            f"| {c['label']} | {lat['ttft_p50_s'] * 1e3:,.0f} | {lat['ttft_p90_s'] * 1e3:,.0f} "
-            f"| {c.get('ttft_p50_speedup') or 1.0:.1f}x "
+            f"| {c['label']} | {p50} | {lat['ttft_p90_s'] * 1e3:,.0f} | {ratio} "
             f"| {fast.get('tokens_loaded', 0):,} | {slow.get('tokens_loaded', 0):,} "
             f"| {100 * hit / ceiling:.0f} % "
             f"| {fast.get('bytes_written', 0) / 2**20:,.0f} "
@@ -247,6 +281,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gap", type=float, default=1.5, help="seconds between arrivals")
+    ap.add_argument(
+        "--admit-min-seen",
+        type=int,
+        default=3,
+        help="the fast tier's admit_min_seen in admission/both (default 3: tier_sim.py's "
+        "sweep; the first single-round runs used 2)",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="bench rounds (--repeats), order rotated")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--only", help="comma-separated configurations to run (recompute kept)")
@@ -260,7 +302,7 @@ def main() -> None:
         return
     info = build(args)
     print(json.dumps({k: v for k, v in info.items() if k != "trace_indices"}, indent=2))
-    specs = contenders(info, args.out)
+    specs = contenders(info, args.out, args.admit_min_seen)
     if args.only:
         keep = {"recompute", *args.only.split(",")}
         specs = [spec for spec in specs if spec.split("=", 1)[0] in keep]
@@ -276,7 +318,7 @@ def main() -> None:
     ]
     for spec in specs:
         cmd += ["-c", spec]
-    cmd += ["--out", str(args.out / "bench"), "--repeats", "1", *args.bench_args]
+    cmd += ["--out", str(args.out / "bench"), "--repeats", str(args.rounds), *args.bench_args]
     print(" ".join(cmd), flush=True)
     rc = subprocess.call(cmd, cwd=ROOT)
     if rc == 0:

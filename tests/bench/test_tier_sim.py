@@ -1,0 +1,76 @@
+"""``benchmarks/tier_sim.py``, the trace-level model of two store tiers: it reproduces the
+engine's committed per-tier hit tokens and bytes written on the Mooncake samples
+(``tier_sweep.compare``), and its admission follows the store's (a chunk's count includes
+the request carrying it)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+RESULTS = BENCH / "results"
+
+
+def _bench_module(name: str) -> ModuleType:
+    sys.path.insert(0, str(BENCH))  # the benchmarks import each other
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def sim() -> ModuleType:
+    return _bench_module("tier_sim")
+
+
+@pytest.mark.parametrize(
+    ("sample_dir", "results"),
+    [
+        ("mooncake_tiers", "history/single-round-results.json"),
+        ("mooncake_tiers", "bench/results.json"),
+        ("mooncake_tiers_synthetic/current-code", "bench/results.json"),
+    ],
+)
+def test_reproduces_the_engine_runs(sim: ModuleType, sample_dir: str, results: str) -> None:
+    """Every tier's hit tokens and bytes written, simulated, equal the engine's."""
+    directory = RESULTS / sample_dir
+    trace = Path(json.loads((directory / "sample.json").read_text())["trace"])
+    if not trace.exists():
+        pytest.skip(f"{trace} is not on this machine")
+    rows = _bench_module("tier_sweep").compare(directory, directory / results)
+    assert len(rows) >= 2
+    for row in rows:
+        for tier in ("fast", "slow"):
+            for metric in ("hit_tokens", "bytes_written"):
+                measured, simulated = row[tier][metric]
+                assert simulated == measured, (row["label"], tier, metric)
+
+
+def _request(sim: ModuleType, blocks: list[int]) -> object:
+    return sim.Scaled(trace_index=0, blocks=blocks, prompt_tokens=len(blocks) * 64, max_tokens=1)
+
+
+def test_admission_counts_the_request_and_longest_ties_go_to_the_fast_tier(
+    sim: ModuleType,
+) -> None:
+    """Three turns of one 512-token prompt (four chunks, three inside ``prompt[:-1]``):
+    with ``admit_min_seen: 2`` the fast tier rejects the first turn, admits the second
+    (which the slow tier serves) and serves the third (a tie, so the earlier tier)."""
+    turn = _request(sim, list(range(1, 9)))
+    cap = 8 * sim.CHUNK_FILE_BYTES
+    admission = sim.Config("longest", sim.Rule(min_seen=2))
+    out = sim.simulate([turn, turn, turn], admission, cap)
+    assert out["slow"]["hit_tokens"] == 3 * 128
+    assert out["fast"]["hit_tokens"] == 3 * 128
+    assert out["fast"]["chunks_written"] == 4
+    assert out["fast"]["rejects"] == 4
+    every = sim.simulate([turn, turn, turn], sim.Config("longest", sim.Rule()), cap)
+    assert every["fast"]["hit_tokens"] == 2 * 3 * 128
+    assert every["slow"]["hit_tokens"] == 0
