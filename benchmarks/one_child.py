@@ -17,9 +17,10 @@ About 8 minutes on 2 cores.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
+
+from kvcompose.bench.summary import paired_ratios
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "one_child"
@@ -33,8 +34,8 @@ def paired_summary(results: dict) -> str:
     if one["status"] != "ok" or disk["status"] != "ok":
         return f"not measured: kvcompose-one {one['status']}, disk {disk['status']}\n"
     pairs = list(zip(one["ttft_p50_rounds"], disk["ttft_p50_rounds"], strict=True))
-    ratios = [a / b for a, b in pairs]
-    med, lo, hi = statistics.median(ratios), min(ratios), max(ratios)
+    paired = paired_ratios(one["ttft_p50_rounds"], disk["ttft_p50_rounds"])
+    med, lo, hi = paired.median, paired.low, paired.high
     verdict = (
         "the range contains 1.0: no cost measurable at this noise"
         if lo <= 1.0 <= hi

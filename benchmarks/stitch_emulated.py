@@ -22,9 +22,10 @@ read from each tier, and output agreement. About 15 minutes on 2 cores.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
+
+from kvcompose.bench.summary import paired_ratios
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "stitch_emulated"
@@ -58,15 +59,12 @@ def workload_summary(name: str, results: dict) -> list[str]:
         )
     stitch, longest = by_label["stitch"], by_label["longest"]
     if stitch["status"] == "ok" and longest["status"] == "ok":
-        ratios = [
-            a / b
-            for a, b in zip(stitch["ttft_p50_rounds"], longest["ttft_p50_rounds"], strict=True)
-        ]
+        paired = paired_ratios(stitch["ttft_p50_rounds"], longest["ttft_p50_rounds"])
         lines += [
             "",
             "stitch / longest TTFT p50, paired by round: "
-            + ", ".join(f"{r:.2f}" for r in ratios)
-            + f"; median {statistics.median(ratios):.2f}.",
+            + ", ".join(f"{r:.2f}" for r in paired.ratios)
+            + f"; median {paired.median:.2f}.",
         ]
     return [*lines, ""]
 

@@ -344,7 +344,11 @@ def resolve(
     disk_root: str | os.PathLike[str],
     tmpfs_root: str | os.PathLike[str],
 ) -> ResolvedContender:
-    """Fill in the store directories, validate, and build the vLLM config."""
+    """Fill in the store directories, validate, and build the vLLM config.
+
+    The document's own rules are checked here; the checks against vLLM (connector names,
+    modules, ``KVTransferConfig`` fields) run where the engine loads the tree, which reports
+    them as the contender's failure: the bench's own process never imports vLLM (10 s)."""
     if contender.kind == "none":
         return ResolvedContender(contender=contender, kv_transfer_config=None)
     assert contender.text is not None
@@ -370,7 +374,7 @@ def resolve(
         from kvcompose.config.render import vllm_args
 
         try:
-            config = load_config(str(resolved_file), env={})
+            config = load_config(str(resolved_file), env={}, check_vllm=False)
             ktc = vllm_args(config)
         except ConfigError as exc:
             raise ContenderError(f"contender {contender.label!r}: {exc}") from None

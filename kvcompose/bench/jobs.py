@@ -1,7 +1,9 @@
 """The bench's engine processes: preparing a store, measuring a contender.
 
 Every engine runs in its own process (``kvcompose.engine.process.EngineProcess``) with its log
-in ``engine.log`` of its run directory; what it runs is in ``kvcompose.bench.replay``.
+in ``engine.log`` of its run directory; what it runs is in ``kvcompose.bench.replay``. The
+processes fork from a server that has imported vLLM once (``preloaded``): a run starts one
+engine per contender and round, and importing vLLM again in each took most of its start.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def _engine(
         on_progress=on_progress,
         start_timeout=timeout,
         call_timeout=timeout,
+        preloaded=True,
     )
     try:
         yield proc

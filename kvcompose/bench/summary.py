@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvcompose.bench import metrics
 from kvcompose.bench.contenders import ContenderDef, ResolvedContender
@@ -97,17 +99,53 @@ def summarise(contenders: list[Contender], *, several_runs: bool) -> list[Conten
     return out
 
 
+@dataclass(frozen=True)
+class Paired:
+    """One contender's TTFT p50 over another's, taken within each round (the two ran in the
+    same round, minutes apart), with their median and range."""
+
+    ratios: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def low(self) -> float:
+        return min(self.ratios)
+
+    @property
+    def high(self) -> float:
+        return max(self.ratios)
+
+
+def paired_ratios(
+    num: Mapping[Any, float] | Sequence[float], den: Mapping[Any, float] | Sequence[float]
+) -> Paired:
+    """``num / den`` round by round: mappings (round -> TTFT p50) are paired by round,
+    rounds missing on either side or zero skipped; lists (``ttft_p50_rounds`` of
+    ``results.json``, both in round order) by position, and must be as long as each other."""
+    if isinstance(num, Mapping) and isinstance(den, Mapping):
+        a, b = num, den
+    elif len(num) != len(den):
+        raise ValueError(f"{len(num)} rounds against {len(den)}: cannot pair them")
+    else:
+        a, b = dict(enumerate(num)), dict(enumerate(den))
+    return Paired([v / b[k] for k, v in a.items() if v and b.get(k)])
+
+
 def compare_rounds(out: list[ContenderResult], reference: str | None) -> None:
     """From the requests of every round (seed and round): each contender's TTFT p50 per
-    round; the reference's over the contender's within each round, their median and range;
-    and which contenders are within noise of each other: those whose TTFT p50s over the
-    rounds span overlapping ranges (with fewer than two rounds, no claim is made)."""
+    round; the reference's over the contender's within each round (``paired_ratios``), their
+    median and range; and which contenders are within noise of each other: those whose TTFT
+    p50s over the rounds span overlapping ranges (with fewer than two rounds, no claim is
+    made)."""
     p50s = {e.label: _round_p50s(e.requests) for e in out}
     ref = p50s.get(reference or "", {})
     for e in out:
         mine = p50s[e.label]
         e.ttft_p50_rounds = [round(v, 4) for v in mine.values()]
-        ratios = [round(ref[k] / v, 3) for k, v in mine.items() if v and ref.get(k)]
+        ratios = [round(x, 3) for x in paired_ratios(ref, mine).ratios]
         if ratios:
             e.speedup_rounds = ratios
             e.ttft_p50_speedup = round(statistics.median(ratios), 3)  # stays in [min, max]

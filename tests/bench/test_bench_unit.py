@@ -542,3 +542,18 @@ def test_round_ratios_median_stays_within_their_range() -> None:
     compare_rounds([ref, tiers], "recompute")
     assert tiers.speedup_rounds == [0.814, 0.815]
     assert tiers.speedup_low <= tiers.ttft_p50_speedup <= tiers.speedup_high
+
+
+def test_paired_ratios_pair_rounds_by_key_or_position() -> None:
+    """The benchmark scripts (one_child, stitch_emulated) and the bench's own ratios to
+    recompute share one pairing: by round where rounds are known, a round one side lacks
+    skipped; by position for the lists of results.json, which must be as long as each other."""
+    from kvcompose.bench.summary import paired_ratios
+
+    keyed = paired_ratios({(0, 0): 0.3, (0, 1): 0.2, (0, 2): 0.5}, {(0, 0): 0.1, (0, 2): 0.25})
+    assert keyed.ratios == pytest.approx([3.0, 2.0])
+    listed = paired_ratios([0.3, 0.2, 0.5], [0.1, 0.4, 0.25])
+    assert listed.ratios == pytest.approx([3.0, 0.5, 2.0])
+    assert (listed.low, listed.median, listed.high) == pytest.approx((0.5, 2.0, 3.0))
+    with pytest.raises(ValueError, match="3 rounds against 2"):
+        paired_ratios([0.3, 0.2, 0.5], [0.1, 0.4])
