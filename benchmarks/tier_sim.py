@@ -22,7 +22,8 @@ two chunk stores modelled as the PrefixStoreConnector behaves in a chain:
 - **in-flight saves**: a chunk planned in the last ``INFLIGHT_SAVE_STEPS + 1`` steps is not
   planned again (the scheduler half's dedupe), even when evicted since;
 - **counting**: the bench's warm-up prompts first, their counts left out; with
-  ``as_bench`` the last request's background writes too when no later step reports them.
+  ``as_bench`` the last request's background writes too when no later step reports them
+  (as the bench counted them before it waited for the writers: the committed results).
 
 What it leaves out: requests overlapping in the engine (each request here finishes before
 the next is looked up), the writer's queue (a chunk is written before the next lookup) and

@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any
 
 from kvcompose.bench.results import RequestRecord, RunResult, StoreUsage
-from kvcompose.bench.snapshot import connector_snapshot, snapshot_delta
+from kvcompose.bench.snapshot import connector_snapshot, flush_store_writers, snapshot_delta
 from kvcompose.engine.process import report_progress
 
 # --------------------------------------------------------------------------- replay
@@ -133,6 +133,7 @@ def measure(
     t = time.perf_counter()
     records = replay(engine, requests, phase="replay", timed=timed, timeout_s=timeout_s)
     result.replay_s = round_s(time.perf_counter() - t)
+    flush_store_writers()  # (after the timed replay: the writes it queued, counted)
     after = connector_snapshot(llm, stores)
     usage_after = _usage(stores)
     result.connector = snapshot_delta(after, before)

@@ -21,6 +21,20 @@ def _counters(node: Any) -> dict[str, float]:
     return dict(totals) if totals is not None else dict(counters or {})
 
 
+def flush_store_writers(timeout_s: float = 60.0) -> None:
+    """Wait until every background store writer in the worker's tree has written what it
+    queued. Its writes are counted as the thread writes them, so a snapshot taken right
+    after the last request finished would miss that request's saves."""
+    try:
+        worker_root = probe.worker_connector()
+    except Exception:
+        return
+    for node in probe.walk_connectors(worker_root):
+        writer = getattr(getattr(node.connector, "connector_worker", None), "writer", None)
+        if writer is not None:
+            writer.flush(timeout_s)
+
+
 def connector_snapshot(llm: Any, store_paths: dict[str, str]) -> ConnectorSnapshot:
     """Cumulative counters of the engine's connectors, by node name."""
     from kvcompose.composite import CompositeConnector
