@@ -9,7 +9,10 @@ children), the sends of the requests it delayed, its own worker metadata and KV 
 vLLM reads the finished sets after this call (``Scheduler._update_from_kv_xfer_finished``), so
 the finish records' held signals (``kvcompose.composite.ledger.Finishes``) are taken out of
 them here: a request that finished while loading, with a delayed free, shows vLLM one
-``finished_sending`` once both its receive and its send happened.
+``finished_sending`` once both its receive and its send happened. The same way, the receive
+that ends a round of a stitched load with a failed segment is taken out (the request stays
+parked) and the request queued in ``recovering`` for the scheduler half's next step
+(``kvcompose.composite.recovery.recover``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from kvcompose.composite.ledger import Finishes, Ledger, Signal
+from kvcompose.composite.ledger import Finishes, Ledger, LoadState, Signal
 from kvcompose.composite.metadata import ComposedKVEvents, ComposedWorkerMeta
 
 if TYPE_CHECKING:
@@ -33,6 +36,9 @@ class OutputRouter:
         self.ledger = ledger
         self.finishes = finishes
         self.children = children
+        #: stitched loads whose round ended with a failed segment, hidden from vLLM, until
+        #: the scheduler half plans their next round (in its next ``build_connector_meta``)
+        self.recovering: list[str] = []
         self.refresh()
 
     def refresh(self) -> None:
@@ -71,8 +77,12 @@ class OutputRouter:
         released_sends: list[str] = []
         recv_by: dict[int, set[str]] = {}
         metas = worker_meta if isinstance(worker_meta, ComposedWorkerMeta) else None
-        segment_failures = metas.failed_segments if metas is not None else {}
         failed_by: dict[int, set[str]] = {}
+        if metas is not None and metas.failed_segments:
+            for req_id, children_failed in metas.failed_segments.items():
+                self.ledger.segments_failed(req_id, children_failed)
+                for child in children_failed:
+                    failed_by.setdefault(child, set()).add(req_id)
         for req_id in recv | failed:
             record = self.ledger.get(req_id)
             if record is not None and (record.segments or record.owner is not None):
@@ -83,12 +93,12 @@ class OutputRouter:
                     held_recvs.append(req_id)
                     if signal is Signal.RELEASE_SEND:
                         released_sends.append(req_id)
-            children_failed = segment_failures.get(req_id, frozenset())
-            self.ledger.recv_finished(req_id, req_id in failed, children_failed)
+            settled = self.ledger.recv_finished(req_id, req_id in failed)
+            if settled is not None and settled.state is LoadState.RECOVERING:
+                held_recvs.append(req_id)  # vLLM keeps it parked for the next round
+                self.recovering.append(req_id)
             for child in loaders:
                 recv_by.setdefault(child, set()).add(req_id)
-                if child in children_failed:
-                    failed_by.setdefault(child, set()).add(req_id)
         sent_by: dict[int, set[str]] = {}
         for req_id in sent:
             senders, signal = self.finishes.sent(req_id)
@@ -119,7 +129,8 @@ def _one_terminal_signal(
     held_sends: list[str],
     released_sends: list[str],
 ) -> None:
-    """Apply the finish records' decisions to the sets vLLM's scheduler reads next."""
+    """Apply the finish records' decisions (and the recoveries' held receives) to the sets
+    vLLM's scheduler reads next."""
     out = connector_output
     for req_id in held_recvs:
         if out.finished_recving:
