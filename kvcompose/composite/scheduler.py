@@ -322,6 +322,7 @@ class CompositeScheduler(SchedulerForwarding):
         if self._stitching and self._outputs.recovering:
             recovering, self._outputs.recovering = self._outputs.recovering, []
             recovery.recover(self, recovering)  # before the children build: reloads go out now
+        invalid_blocks = self.step_invalid_blocks if self._stitching else None
         children = tuple([c.build_connector_meta(scheduler_output) for c in self._connectors])
         metadata = CompositeMetadata(
             children,
@@ -333,8 +334,8 @@ class CompositeScheduler(SchedulerForwarding):
         )
         self._step_loads, self._step_sync_loads, self._step_sends = {}, {}, {}
         self.step_stitches, self.step_sync_segments = {}, {}
-        if self.step_invalid_blocks:
-            metadata.invalid_blocks = tuple(self.step_invalid_blocks)
+        if invalid_blocks:  # a stitch's sync range no segment loads (``recovery.given_up``)
+            metadata.invalid_blocks = tuple(invalid_blocks)
             self.step_invalid_blocks = []
         return metadata
 

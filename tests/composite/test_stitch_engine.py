@@ -3,7 +3,9 @@
 The fast tier (sync) holds each prompt's first 96 tokens, the slow tier (async) the whole
 prompt. Stitched, the fast tier loads its 96 tokens and the slow tier only the 128 after them
 (the slow tier's lookup starts at the fast tier's end); greedy outputs equal a run without
-any connector; the worker's per-tier counters show the tokens and bytes each tier read.
+any connector; the worker's per-tier counters show the tokens and bytes each tier read. A
+failed slow segment keeps the fast one, or, with a third tier holding the gap, is reloaded
+from it while the request is still parked.
 """
 
 from __future__ import annotations
