@@ -44,6 +44,10 @@ children reload the failed ranges, and what none can reload is given up at the n
 The grant re-cuts the segments at allocation; a segment that cannot be cut is dropped and its
 part of the grant given up the same way (``lost_from``).
 
+An owned load whose owner is a nested stitched node that holds its receive back for a
+recovery round goes back from ``LOADED`` to ``LOADING`` (``receive_held``): the owner's next
+receive ends it.
+
 A second ``update_state_after_alloc(…, 0)`` after an async load leaves the state unchanged.
 A failed owner is remembered in ``excluded`` and skipped when the scheduler looks the request
 up again (``kv_load_failure_policy="recompute"`` after a total failure), so the next child can
@@ -327,6 +331,13 @@ class Ledger:
         if lost is not None:
             record.lost_from = lost if record.lost_from is None else min(lost, record.lost_from)
         record.state = LoadState.LOADING
+
+    def receive_held(self, req_id: str, child: int) -> None:
+        """The owner ``child`` (a nested stitched node) held the receive back for a recovery
+        round: the load is in flight again until its next receive."""
+        record = self._records.get(req_id)
+        if record is not None and record.owner == child and record.state in _ALLOCATED:
+            record.state = LoadState.LOADING
 
     def exclude_owners_of_blocks(self, block_ids: set[int]) -> None:
         """Loads with blocks reported invalid: their owners are skipped if vLLM looks the

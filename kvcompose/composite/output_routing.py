@@ -36,9 +36,11 @@ class OutputRouter:
         self.ledger = ledger
         self.finishes = finishes
         self.children = children
-        #: stitched loads whose round ended with a failed segment, hidden from vLLM, until
-        #: the scheduler half plans their next round (in its next ``build_connector_meta``)
-        self.recovering: list[str] = []
+        #: receives held back for a recovery round, until the scheduler half's next
+        #: ``build_connector_meta``: (request id, None) for this node's own stitched load,
+        #: whose next round it plans; (request id, child) for a nested node's (the child's
+        #: next receive is expected again)
+        self.recovering: list[tuple[str, int | None]] = []
         self.refresh()
 
     def refresh(self) -> None:
@@ -96,7 +98,7 @@ class OutputRouter:
             settled = self.ledger.recv_finished(req_id, req_id in failed)
             if settled is not None and settled.state is LoadState.RECOVERING:
                 held_recvs.append(req_id)  # vLLM keeps it parked for the next round
-                self.recovering.append(req_id)
+                self.recovering.append((req_id, None))
             for child in loaders:
                 recv_by.setdefault(child, set()).add(req_id)
         sent_by: dict[int, set[str]] = {}
@@ -112,15 +114,30 @@ class OutputRouter:
             mine = recv_by.get(i, set())
             view = dataclasses.replace(
                 connector_output,
-                finished_recving=mine or None,
+                finished_recving=set(mine) or None,
                 failed_recving=(mine & failed) | failed_by.get(i, set()),
                 finished_sending=sent_by.get(i) or None,
                 kv_connector_worker_meta=None if child_metas is None else child_metas[i],
                 kv_cache_events=None if child_events is None else child_events[i],
             )
             call(i, "update_connector_output", None, view)
+            if mine and len(view.finished_recving or ()) < len(mine):
+                self._held_by_child(i, mine - (view.finished_recving or set()), held_recvs)
         if held_recvs or held_sends:
             _one_terminal_signal(connector_output, held_recvs, held_sends, released_sends)
+
+    def _held_by_child(self, child: int, req_ids: set[str], held_recvs: list[str]) -> None:
+        """A nested node took receives out of its view: those it holds back for a recovery
+        round (its ledger says so) are held here too, and its next receive expected."""
+        ledger = getattr(self.children.connectors[child], "ledger", None)
+        if not isinstance(ledger, Ledger):
+            return
+        for req_id in req_ids:
+            nested = ledger.get(req_id)
+            if nested is not None and nested.state is LoadState.RECOVERING:
+                held_recvs.append(req_id)
+                self.ledger.receive_held(req_id, child)
+                self.recovering.append((req_id, child))
 
 
 def _one_terminal_signal(

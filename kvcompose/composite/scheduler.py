@@ -319,9 +319,8 @@ class CompositeScheduler(SchedulerForwarding):
         if debug is not self.debug:
             self.debug = debug
             self._choose_lookup()
-        if self._stitching and self._outputs.recovering:
-            recovering, self._outputs.recovering = self._outputs.recovering, []
-            recovery.recover(self, recovering)  # before the children build: reloads go out now
+        if self._outputs.recovering:  # receives held back for a recovery round
+            self._recovery_round()
         invalid_blocks = self.step_invalid_blocks if self._stitching else None
         children = tuple([c.build_connector_meta(scheduler_output) for c in self._connectors])
         metadata = CompositeMetadata(
@@ -338,6 +337,18 @@ class CompositeScheduler(SchedulerForwarding):
             metadata.invalid_blocks = tuple(invalid_blocks)
             self.step_invalid_blocks = []
         return metadata
+
+    def _recovery_round(self) -> None:
+        """Plan the next round of this node's recovering stitched loads (before the children
+        build: the reloads go out in this step), and expect again the receive of a nested
+        node that holds one back."""
+        held, self._outputs.recovering = self._outputs.recovering, []
+        own = [req_id for req_id, child in held if child is None]
+        if own:
+            recovery.recover(self, own)
+        for req_id, child in held:
+            if child is not None:
+                self._step_loads[req_id] = child
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Each child sees the step's output as if it were the only connector

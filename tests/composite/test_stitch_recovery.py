@@ -297,3 +297,24 @@ def test_a_sync_cut_on_several_groups_is_refused(harness):
     h.add_request(prompt(PROMPT), max_tokens=2)
     with pytest.raises(LedgerError, match="several KV cache groups"):
         h.step()
+
+
+@pytest.mark.parametrize("abort", [False, True])
+def test_a_nested_stitch_recovers_under_its_parent(harness, abort):
+    """A stitch node nested under another node: the parent holds the receive its child held
+    back for a recovery, and expects the child's next receive (also after an abort)."""
+    _, _, c = failing_middle(Behaviour(tokens=80, is_async=True, load_steps=2))
+    inner = chain("tiers", native("a"), native("b"), native("c"), policy="stitch")
+    h = harness(kvcompose_config(chain("root", inner)), kv_load_failure_policy="recompute")
+    rid = h.add_request(prompt(PROMPT), max_tokens=2).request_id
+    h.step()
+    assert receives(h, rid) == 0  # held back by the nested node, and by the root
+    if abort:
+        h.abort(rid)
+    h.run_until_idle()
+    if not abort:
+        assert scheduled(h, rid) == PROMPT - 80 + 1
+        assert allocs(c, rid)[:2] == [0, 48]
+    assert receives(h, rid) == 1
+    assert not h.connector.guard.violations and not h.worker_connector.guard.violations
+    h.assert_clean()
