@@ -22,9 +22,31 @@ A lookup that finds no owner for a request the node holds no record of creates n
 miss leaves nothing to track (the allocation that follows tells every child 0 tokens).
 
 A **stitched** load (``policy: stitch`` with two or more loading children) has no single owner
-(``owner`` is None) but ``segments`` (``kvcompose.composite.segments``): the record is
-``LOADING`` while any async segment is, ``LOADED`` once all are, ``FAILED`` if one failed;
-the grant re-cuts the segments at allocation.
+(``owner`` is None) but ``segments`` (``kvcompose.composite.segments``), loaded in rounds that
+each end with one receive (the worker sends one for all of a round's async segments; a round
+of sync segments only ends with the worker's own)::
+
+                 alloc(n > 0)             the round's receive
+    OWNED ─────────────────────▶ LOADING ───┬─ no segment failed ─▶ LOADED, or FAILED when
+                                    ▲        │                       part of the grant is lost
+                                    │        └─ a segment failed ──▶ RECOVERING
+                                    │                                     │
+                                    └──── recovery (next step): reload ───┘
+                                          the gaps, or give them up
+
+A segment's failure reaches the scheduler half through the worker's metadata
+(``segments_failed``; vLLM has already read the step's failures when the node sees it), and
+the worker hides it from vLLM: the receive that ends a round with a failed segment is taken
+out of the step's output (the request stays parked) and the record waits in ``RECOVERING``
+for the scheduler half to plan the next round (``kvcompose.composite.recovery.recover``): other
+children reload the failed ranges, and what none can reload is given up at the next receive
+(invalid blocks from ``lost_from`` on, or ``failed_recving`` on several KV cache groups).
+The grant re-cuts the segments at allocation; a segment that cannot be cut is dropped and its
+part of the grant given up the same way (``lost_from``).
+
+An owned load whose owner is a nested stitched node that holds its receive back for a
+recovery round goes back from ``LOADED`` to ``LOADING`` (``receive_held``): the owner's next
+receive ends it.
 
 A second ``update_state_after_alloc(…, 0)`` after an async load leaves the state unchanged.
 A failed owner is remembered in ``excluded`` and skipped when the scheduler looks the request
@@ -61,6 +83,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, KeysView
 from dataclasses import dataclass
+from typing import Any
 
 from kvcompose.composite import segments as seg
 from kvcompose.composite.segments import Segment, SegmentError
@@ -73,6 +96,7 @@ class LoadState(enum.Enum):
     LOADED = "loaded"
     FAILED = "failed"
     NO_LOAD = "no_load"
+    RECOVERING = "recovering"  # a stitched load's round ended with a failed segment
 
 
 #: States from which the scheduler may legitimately ask for a fresh lookup.
@@ -100,6 +124,15 @@ class LoadRecord:
     pending_since: float | None = None
     excluded: frozenset[int] = frozenset()  # children whose load of this request failed
     segments: tuple[Segment, ...] = ()  # a stitched load's ranges (no single owner)
+    # a stitched load, from its allocation: the children whose async segments the round's
+    # receive is for, the first token no segment will deliver (vLLM recomputes from its
+    # block), the end of the grant, and what a recovery hands a child (vLLM's Request and
+    # KVCacheBlocks)
+    awaiting: tuple[int, ...] = ()
+    lost_from: int | None = None
+    load_end: int = 0
+    request: Any = None
+    blocks: Any = None
 
     @property
     def stitched(self) -> bool:
@@ -113,11 +146,11 @@ class LoadRecord:
         return () if self.owner is None else (self.owner,)
 
     def receivers(self) -> tuple[int, ...]:
-        """The children a receive of this request belongs to: the owner, or a stitched
-        load's children whose async segments are in flight (the worker sends one receive
-        for all of them)."""
+        """The children a receive of this request belongs to: the owner, or the children
+        of a stitched load's async segments of the current round (the worker sends one
+        receive for all of them)."""
         if self.segments:
-            return seg.loading(self.segments)
+            return self.awaiting
         return () if self.owner is None else (self.owner,)
 
     def as_dict(self, names: list[str] | None = None) -> dict[str, object]:
@@ -131,6 +164,8 @@ class LoadRecord:
         }
         if self.segments:
             out["segments"] = [s.as_dict(names) for s in self.segments]
+        if self.lost_from is not None:
+            out["lost_from"] = self.lost_from
         return out
 
 
@@ -190,6 +225,7 @@ class Ledger:
         record.state, record.owner, record.tokens = LoadState.OWNED, owner, tokens
         record.is_async, record.reason, record.local_tokens = is_async, reason, local_tokens
         record.pending_since, record.load_blocks, record.segments = None, (), ()
+        record.awaiting, record.lost_from, record.request, record.blocks = (), None, None, None
         return record
 
     def decide_stitch(
@@ -228,9 +264,15 @@ class Ledger:
             )
         if record.segments:
             try:
-                seg.grant(record.segments, record.local_tokens, num_external_tokens)
+                lost = seg.grant(record.segments, record.local_tokens, num_external_tokens)
             except SegmentError as exc:
                 raise LedgerError(f"request {req_id}: {exc}") from None
+            record.load_end = record.local_tokens + num_external_tokens
+            if lost is not None:  # an uncuttable segment dropped: skip it on a re-lookup
+                record.lost_from = lost
+                record.excluded = record.excluded | {
+                    s.child for s in record.segments if s.start == lost
+                }
             # vLLM parks the request whenever it granted tokens of an async answer, even
             # if the cut left only sync segments: the worker then signals their end itself
         if num_external_tokens == 0:
@@ -241,28 +283,61 @@ class Ledger:
             record.state = LoadState.LOADED
         return record
 
-    def recv_finished(
-        self, req_id: str, failed: bool, failed_children: frozenset[int] = frozenset()
-    ) -> None:
-        """The request's (one) receive. For a stitched load every async segment has
-        finished; ``failed_children`` names the ones that failed."""
+    def recv_finished(self, req_id: str, failed: bool) -> LoadRecord | None:
+        """The request's (one) receive; for a stitched load, the end of a round (its failed
+        segments already marked by ``segments_failed``). Returns the record if it tracks a
+        load that was in flight."""
         record = self._records.get(req_id)
         if record is None or record.state is not LoadState.LOADING:
-            return  # aborted before the load completed; nothing to track
+            return None  # aborted before the load completed; nothing to track
         if record.segments:
-            for child in seg.loading(record.segments):
-                seg.received(record.segments, child, child in failed_children)
-            if failed_children:
-                record.excluded = record.excluded | failed_children
-            failed = failed or bool(failed_children)
-            record.state = LoadState.FAILED if failed else LoadState.LOADED
-            return
+            record.awaiting = ()
+            if seg.settle(record.segments):
+                record.state = LoadState.RECOVERING
+            elif failed or record.lost_from is not None:
+                record.state = LoadState.FAILED
+            else:
+                record.state = LoadState.LOADED
+            return record
         if failed:
             record.state = LoadState.FAILED
             if record.owner is not None:
                 record.excluded = record.excluded | {record.owner}
         else:
             record.state = LoadState.LOADED
+        return record
+
+    def segments_failed(self, req_id: str, children: frozenset[int]) -> None:
+        """The worker reports that ``children``'s segments of the stitched load's current
+        round failed (it may be before the round's receive: with several workers, each
+        reports when its own loads end). They are skipped from now on."""
+        record = self._records.get(req_id)
+        if record is None or record.state is not LoadState.LOADING or not record.segments:
+            return  # aborted, or not a stitched load in flight
+        for child in children:
+            seg.fail(record.segments, child)
+        record.excluded = record.excluded | children
+
+    def recovered(self, record: LoadRecord, reloads: tuple[Segment, ...], lost: int | None) -> None:
+        """A recovery planned the next round: ``reloads`` load (parts of) the failed ranges,
+        and from ``lost`` on (if not None) the load is given up."""
+        if record.state is not LoadState.RECOVERING:
+            raise LedgerError(f"recovery planned while {record.state.value}")
+        for s in record.segments:
+            if s.state is seg.SegmentState.FAILED:
+                s.state = seg.SegmentState.REPLACED
+        record.segments = record.segments + reloads
+        record.awaiting = tuple(s.child for s in reloads if s.is_async)
+        if lost is not None:
+            record.lost_from = lost if record.lost_from is None else min(lost, record.lost_from)
+        record.state = LoadState.LOADING
+
+    def receive_held(self, req_id: str, child: int) -> None:
+        """The owner ``child`` (a nested stitched node) held the receive back for a recovery
+        round: the load is in flight again until its next receive."""
+        record = self._records.get(req_id)
+        if record is not None and record.owner == child and record.state in _ALLOCATED:
+            record.state = LoadState.LOADING
 
     def exclude_owners_of_blocks(self, block_ids: set[int]) -> None:
         """Loads with blocks reported invalid: their owners are skipped if vLLM looks the

@@ -28,12 +28,12 @@ class CompositeMetadata(KVConnectorMetadata):
     if the owner raises on the worker, those blocks are reported as failed loads.
     ``sends``: requests finished this step whose blocks stay alive, request id → the children
     that asked to delay the free; the worker reports ``finished_sending`` once all of them did.
-    ``stitches``: stitched loads vLLM parked this step (``StitchLoad``): the worker reports one
-    ``finished_recving`` once every async segment did. ``sync_segments``: the sync segments of
-    stitched loads of this step, request id → ((child, block ids), ...).
-    ``block_level_failures``: a failed segment may be reported as invalid blocks (vLLM keeps
-    the valid prefix before it); False on models with several KV cache groups, where vLLM
-    refuses invalid blocks and the request is reported failed (``failed_recving``).
+    ``stitches``: stitched loads vLLM parked this step, and the next rounds of parked stitched
+    loads recovering from a failed segment (``StitchLoad``): the worker reports one
+    ``finished_recving`` per round once every async segment of it did. ``sync_segments``: the
+    sync segments of stitched loads of this step, request id → ((child, block ids), ...).
+    ``invalid_blocks``: blocks the worker reports as failed loads this step (a sync stitched
+    load's range that no segment loads: an uncuttable segment straddled the grant's end).
     """
 
     children: tuple[KVConnectorMetadata | None, ...]
@@ -42,25 +42,33 @@ class CompositeMetadata(KVConnectorMetadata):
     sends: dict[str, tuple[int, ...]] = field(default_factory=dict)
     stitches: dict[str, StitchLoad] = field(default_factory=dict)
     sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = field(default_factory=dict)
-    block_level_failures: bool = True
+    invalid_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class StitchLoad:
-    """A parked stitched load: the children whose async segments the worker waits for, and
-    every active segment's blocks (for reporting a failed one)."""
+    """One round of a parked stitched load: the children whose async segments the worker
+    waits for, and each of the round's segments' blocks (so that a failure reported as
+    blocks is traced to its segment). With the round's one ``finished_recving`` the worker
+    reports ``invalid`` as failed blocks, and the request in ``failed_recving`` if
+    ``failed``: what the scheduler half gave up (``LoadRecord.lost_from``).
+
+    A segment's failure is not shown to vLLM: the worker reports it in
+    ``ComposedWorkerMeta.failed_segments`` and the scheduler half plans the next round."""
 
     waits: tuple[int, ...]
     blocks: dict[int, tuple[int, ...]]
+    invalid: tuple[int, ...] = ()
+    failed: bool = False
 
 
 @dataclass
 class ComposedWorkerMeta(KVConnectorWorkerMetadata):
     """Worker → scheduler, aggregated across workers child by child.
 
-    ``failed_segments``: stitched loads signalled this step whose segments failed, request id
-    → the failed children (vLLM reads failures before the scheduler side sees them, so the
-    worker tells which segment it was)."""
+    ``failed_segments``: parked stitched loads whose segments failed this step, request id →
+    the failed children (hidden from vLLM, which reads failures before the scheduler half
+    sees them: the scheduler half decides what vLLM is told, see ``StitchLoad``)."""
 
     children: tuple[KVConnectorWorkerMetadata | None, ...]
     failed_segments: dict[str, frozenset[int]] = field(default_factory=dict)

@@ -9,7 +9,10 @@ children), the sends of the requests it delayed, its own worker metadata and KV 
 vLLM reads the finished sets after this call (``Scheduler._update_from_kv_xfer_finished``), so
 the finish records' held signals (``kvcompose.composite.ledger.Finishes``) are taken out of
 them here: a request that finished while loading, with a delayed free, shows vLLM one
-``finished_sending`` once both its receive and its send happened.
+``finished_sending`` once both its receive and its send happened. The same way, the receive
+that ends a round of a stitched load with a failed segment is taken out (the request stays
+parked) and the request queued in ``recovering`` for the scheduler half's next step
+(``kvcompose.composite.recovery.recover``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from kvcompose.composite.ledger import Finishes, Ledger, Signal
+from kvcompose.composite.ledger import Finishes, Ledger, LoadState, Signal
 from kvcompose.composite.metadata import ComposedKVEvents, ComposedWorkerMeta
 
 if TYPE_CHECKING:
@@ -33,6 +36,11 @@ class OutputRouter:
         self.ledger = ledger
         self.finishes = finishes
         self.children = children
+        #: receives held back for a recovery round, until the scheduler half's next
+        #: ``build_connector_meta``: (request id, None) for this node's own stitched load,
+        #: whose next round it plans; (request id, child) for a nested node's (the child's
+        #: next receive is expected again)
+        self.recovering: list[tuple[str, int | None]] = []
         self.refresh()
 
     def refresh(self) -> None:
@@ -71,8 +79,12 @@ class OutputRouter:
         released_sends: list[str] = []
         recv_by: dict[int, set[str]] = {}
         metas = worker_meta if isinstance(worker_meta, ComposedWorkerMeta) else None
-        segment_failures = metas.failed_segments if metas is not None else {}
         failed_by: dict[int, set[str]] = {}
+        if metas is not None and metas.failed_segments:
+            for req_id, children_failed in metas.failed_segments.items():
+                self.ledger.segments_failed(req_id, children_failed)
+                for child in children_failed:
+                    failed_by.setdefault(child, set()).add(req_id)
         for req_id in recv | failed:
             record = self.ledger.get(req_id)
             if record is not None and (record.segments or record.owner is not None):
@@ -83,12 +95,12 @@ class OutputRouter:
                     held_recvs.append(req_id)
                     if signal is Signal.RELEASE_SEND:
                         released_sends.append(req_id)
-            children_failed = segment_failures.get(req_id, frozenset())
-            self.ledger.recv_finished(req_id, req_id in failed, children_failed)
+            settled = self.ledger.recv_finished(req_id, req_id in failed)
+            if settled is not None and settled.state is LoadState.RECOVERING:
+                held_recvs.append(req_id)  # vLLM keeps it parked for the next round
+                self.recovering.append((req_id, None))
             for child in loaders:
                 recv_by.setdefault(child, set()).add(req_id)
-                if child in children_failed:
-                    failed_by.setdefault(child, set()).add(req_id)
         sent_by: dict[int, set[str]] = {}
         for req_id in sent:
             senders, signal = self.finishes.sent(req_id)
@@ -102,15 +114,30 @@ class OutputRouter:
             mine = recv_by.get(i, set())
             view = dataclasses.replace(
                 connector_output,
-                finished_recving=mine or None,
+                finished_recving=set(mine) or None,
                 failed_recving=(mine & failed) | failed_by.get(i, set()),
                 finished_sending=sent_by.get(i) or None,
                 kv_connector_worker_meta=None if child_metas is None else child_metas[i],
                 kv_cache_events=None if child_events is None else child_events[i],
             )
             call(i, "update_connector_output", None, view)
+            if mine and len(view.finished_recving or ()) < len(mine):
+                self._held_by_child(i, mine - (view.finished_recving or set()), held_recvs)
         if held_recvs or held_sends:
             _one_terminal_signal(connector_output, held_recvs, held_sends, released_sends)
+
+    def _held_by_child(self, child: int, req_ids: set[str], held_recvs: list[str]) -> None:
+        """A nested node took receives out of its view: those it holds back for a recovery
+        round (its ledger says so) are held here too, and its next receive expected."""
+        ledger = getattr(self.children.connectors[child], "ledger", None)
+        if not isinstance(ledger, Ledger):
+            return
+        for req_id in req_ids:
+            nested = ledger.get(req_id)
+            if nested is not None and nested.state is LoadState.RECOVERING:
+                held_recvs.append(req_id)
+                self.ledger.receive_held(req_id, child)
+                self.recovering.append((req_id, child))
 
 
 def _one_terminal_signal(
@@ -119,7 +146,8 @@ def _one_terminal_signal(
     held_sends: list[str],
     released_sends: list[str],
 ) -> None:
-    """Apply the finish records' decisions to the sets vLLM's scheduler reads next."""
+    """Apply the finish records' decisions (and the recoveries' held receives) to the sets
+    vLLM's scheduler reads next."""
     out = connector_output
     for req_id in held_recvs:
         if out.finished_recving:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 
 from kvcompose import tree as nodes
-from kvcompose.composite import lookup, stitch
+from kvcompose.composite import lookup, recovery, stitch
 from kvcompose.composite.children import Children
 from kvcompose.composite.forwarding import SchedulerForwarding
 from kvcompose.composite.ledger import Finishes, Ledger, LoadState
@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvcompose")
 
 Finisher = Callable[["Request", Any], tuple[bool, dict[str, Any] | None]]
+
+#: Load states in which vLLM holds a request parked: a receive is still to come.
+_IN_FLIGHT = frozenset({LoadState.LOADING, LoadState.RECOVERING})
 
 
 class CompositeScheduler(SchedulerForwarding):
@@ -80,7 +83,7 @@ class CompositeScheduler(SchedulerForwarding):
         self._stitching = self.policy.mode == "stitch"
         self.range_supports = stitch.child_range_supports(tree)
         # vLLM refuses invalid block ids on models with several KV cache groups
-        self._block_level_failures = num_kv_groups <= 1
+        self.block_level_failures = num_kv_groups <= 1
         self.base_hit_sources = base_hit_sources
         self._base_group_ids = base_group_ids
         connectors = children.connectors
@@ -97,6 +100,7 @@ class CompositeScheduler(SchedulerForwarding):
         self._step_sends: dict[str, tuple[int, ...]] = {}
         self.step_stitches: dict[str, StitchLoad] = {}
         self.step_sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = {}
+        self.step_invalid_blocks: list[int] = []
         self.refresh_child_methods()
         self.guard.on_disable.append(self._choose_lookup)
 
@@ -315,6 +319,9 @@ class CompositeScheduler(SchedulerForwarding):
         if debug is not self.debug:
             self.debug = debug
             self._choose_lookup()
+        if self._outputs.recovering:  # receives held back for a recovery round
+            self._recovery_round()
+        invalid_blocks = self.step_invalid_blocks if self._stitching else None
         children = tuple([c.build_connector_meta(scheduler_output) for c in self._connectors])
         metadata = CompositeMetadata(
             children,
@@ -323,11 +330,25 @@ class CompositeScheduler(SchedulerForwarding):
             self._step_sends,
             self.step_stitches,
             self.step_sync_segments,
-            self._block_level_failures,
         )
         self._step_loads, self._step_sync_loads, self._step_sends = {}, {}, {}
         self.step_stitches, self.step_sync_segments = {}, {}
+        if invalid_blocks:  # a stitch's sync range no segment loads (``recovery.given_up``)
+            metadata.invalid_blocks = tuple(invalid_blocks)
+            self.step_invalid_blocks = []
         return metadata
+
+    def _recovery_round(self) -> None:
+        """Plan the next round of this node's recovering stitched loads (before the children
+        build: the reloads go out in this step), and expect again the receive of a nested
+        node that holds one back."""
+        held, self._outputs.recovering = self._outputs.recovering, []
+        own = [req_id for req_id, child in held if child is None]
+        if own:
+            recovery.recover(self, own)
+        for req_id, child in held:
+            if child is not None:
+                self._step_loads[req_id] = child
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Each child sees the step's output as if it were the only connector
@@ -387,11 +408,12 @@ class CompositeScheduler(SchedulerForwarding):
                 if producer is None:
                     producer = {}
                 merged = self._merge_params(merged, params, producer, i, req_id)
-        # aborted while loading: the loaders' receive still comes (one, for a stitch)
+        # aborted while loading: the loaders' receive still comes (one, for a stitch; a
+        # stitch recovering from a failed segment gets it in its next round)
         loaders = None
         if req_id in self._ledger_ids:
             record = self.ledger.finished(req_id)
-            if record is not None and record.state is LoadState.LOADING:
+            if record is not None and record.state in _IN_FLIGHT:
                 loaders = record.receivers()
         if first_error is not None:
             if loaders is not None:

@@ -6,11 +6,20 @@ loads, in the request's ``LoadRecord`` (``kvcompose.composite.ledger``)::
 
                   alloc: in the grant                       the receive
     PLANNED ──┬──────────────────────────▶ LOADING (async) ──┬──────────▶ LOADED
-              │  (cut to the grant's end                      └─ failed ─▶ FAILED
-              │   when it straddles it)     LOADED (sync)
-              └─ alloc: past the grant's end ─▶ DROPPED (told 0)
+              │  (cut to the grant's end                      │
+              │   when it straddles it)     LOADED (sync) ────┤ the worker: its load failed
+              │                                               ▼
+              │                                             FAILED ── recovery ──▶ REPLACED
+              ├─ alloc: past the grant's end ─────────────────▶ DROPPED (told 0)
+              └─ alloc: straddles the grant's end, cannot be cut ▶ DROPPED (told 0; its part
+                                                                  of the grant is lost)
 
-The request is loaded when no segment is ``LOADING``; it failed if any segment did.
+A **recovery** (``kvcompose.composite.recovery.recover``) gives a failed segment's range to a
+new segment of another child, a *reload* (``reload=True``) that starts ``LOADING`` or
+``LOADED`` like any other, or gives the range up (vLLM recomputes it). Segments are appended
+in load rounds: the first round is the lookup's, each recovery adds one.
+
+The request is loaded when no segment is ``LOADING`` and none is ``FAILED``.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ class SegmentState(enum.Enum):
     LOADING = "loading"
     LOADED = "loaded"
     FAILED = "failed"
+    REPLACED = "replaced"  # failed, and its range reloaded by another segment or given up
     DROPPED = "dropped"
 
 
@@ -48,6 +58,7 @@ class Segment:
     can_cut: bool
     block_ids: tuple[int, ...] = ()
     state: SegmentState = SegmentState.PLANNED
+    reload: bool = False  # a recovery's: reloads (part of) a failed segment's range
 
     @property
     def tokens(self) -> int:
@@ -55,7 +66,8 @@ class Segment:
 
     @property
     def active(self) -> bool:
-        return self.state is not SegmentState.DROPPED
+        """Whether its range is (being) loaded by it: not dropped, not replaced."""
+        return self.state is not SegmentState.DROPPED and self.state is not SegmentState.REPLACED
 
     def as_dict(self, names: list[str] | None = None) -> dict[str, object]:
         return {
@@ -65,30 +77,32 @@ class Segment:
             "mode": self.mode,
             "blocks": len(self.block_ids),
             "state": self.state.value,
+            **({"reload": True} if self.reload else {}),
         }
 
 
-def grant(segments: tuple[Segment, ...], local: int, granted: int) -> None:
+def grant(segments: tuple[Segment, ...], local: int, granted: int) -> int | None:
     """vLLM granted ``granted`` of the promised tokens after ``local``: segments past the
-    grant's end are dropped, the one straddling it is cut (if it can be), and the others
-    start loading."""
+    grant's end are dropped, the one straddling it is cut if it can be and dropped if it
+    cannot, and the others start loading. Returns where the dropped uncut segment began (its
+    range up to the grant's end is counted by vLLM but loaded by no one), or None."""
     limit = local + granted
+    lost: int | None = None
     for seg in segments:
         if seg.state is not SegmentState.PLANNED:
             raise SegmentError(f"segment of child {seg.child} allocated twice ({seg.state})")
         if seg.start >= limit:
             seg.state = SegmentState.DROPPED
         elif seg.end > limit:
-            if not seg.can_cut:
-                raise SegmentError(
-                    f"vLLM granted {granted} tokens, ending inside the [{seg.start}, "
-                    f"{seg.end}) segment of child {seg.child} ({seg.mode}), which cannot "
-                    "be cut short; do not stitch such a child where vLLM rounds grants"
-                )
-            seg.end = limit
+            if seg.can_cut:
+                seg.end = limit
+            else:
+                seg.state = SegmentState.DROPPED
+                lost = seg.start if lost is None else min(lost, seg.start)
     for seg in segments:
-        if seg.active:
+        if seg.state is SegmentState.PLANNED:
             seg.state = SegmentState.LOADING if seg.is_async else SegmentState.LOADED
+    return lost
 
 
 def place(segments: tuple[Segment, ...], block_ids: list[int], block_size: int) -> None:
@@ -98,18 +112,23 @@ def place(segments: tuple[Segment, ...], block_ids: list[int], block_size: int) 
             seg.block_ids = tuple(block_ids[seg.start // block_size : -(-seg.end // block_size)])
 
 
-def received(segments: tuple[Segment, ...], child: int, failed: bool) -> bool:
-    """``child``'s async segment finished. Returns whether it was loading."""
+def fail(segments: tuple[Segment, ...], child: int) -> Segment | None:
+    """The worker reported ``child``'s load of the current round failed: its last segment
+    still loading or loaded (a child loads at most one segment per round)."""
+    for seg in reversed(segments):
+        if seg.child == child and seg.state in (SegmentState.LOADING, SegmentState.LOADED):
+            seg.state = SegmentState.FAILED
+            return seg
+    return None
+
+
+def settle(segments: tuple[Segment, ...]) -> tuple[Segment, ...]:
+    """The round's one receive arrived: every async segment still loading has loaded.
+    Returns the failed segments, which await a recovery."""
     for seg in segments:
-        if seg.child == child and seg.state is SegmentState.LOADING:
-            seg.state = SegmentState.FAILED if failed else SegmentState.LOADED
-            return True
-    return False
-
-
-def loading(segments: tuple[Segment, ...]) -> tuple[int, ...]:
-    """The children whose async segments are still in flight."""
-    return tuple(s.child for s in segments if s.state is SegmentState.LOADING)
+        if seg.state is SegmentState.LOADING:
+            seg.state = SegmentState.LOADED
+    return tuple(s for s in segments if s.state is SegmentState.FAILED)
 
 
 def block_view(blocks: KVCacheBlocks, first_block: int) -> KVCacheBlocks:

@@ -186,6 +186,18 @@ PROM_COUNTERS = (
         "Tokens a kvcompose node's children were chosen to load.",
     ),
     (
+        "reloads",
+        "vllm:kvcompose_reloads",
+        ("child",),
+        "Failed stitch segments a kvcompose node's children reloaded.",
+    ),
+    (
+        "reloaded_tokens",
+        "vllm:kvcompose_reloaded_tokens",
+        ("child",),
+        "Tokens of failed stitch segments a kvcompose node's children reloaded.",
+    ),
+    (
         "lookup_timeouts",
         "vllm:kvcompose_lookup_timeouts",
         ("child",),

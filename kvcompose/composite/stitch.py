@@ -16,18 +16,32 @@ Walking rules per mode: ``sole_owner`` children are asked only while no segment 
 a hit ends the walk (it is the one loader); ``last_segment`` ends the walk; ``natural_end``
 makes the stitch sync-only (an async answer after it is not taken, and it is skipped after an
 async segment). A child still answering ``None`` holds the decision, as in ``first``.
+
+**Grants smaller than promised.** vLLM 0.32/0.33 grant 0 (request-level prefix-cache skip, a
+local hit with a sub-block tail at least as long as the hit, a total hit within a bounded
+replay window) or, on models with bounded prefix replay (DeepSeek-V4.1's sliding-window MLA),
+the promise rounded down to a block. A segment straddling the cut is cut if its child can be
+cut short; otherwise it is dropped (its child hears 0) and the grant's part from its start is
+given up: its blocks are reported invalid (vLLM keeps the prefix before them and recomputes the
+rest), or, on several KV cache groups (vLLM refuses invalid blocks there), the parked request
+goes up in ``failed_recving`` and is looked up again without that child.
+
+**Failed segments** of a parked load are reloaded by other children while the request stays
+parked, or given up (``kvcompose.composite.recovery``). vLLM sees one receive, after the last
+round.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcompose import tree as nodes
 from kvcompose.composite.ledger import LoadState
 from kvcompose.composite.metadata import StitchLoad
+from kvcompose.composite.recovery import RecoveryHost, given_up
 from kvcompose.composite.segments import Segment, block_view, place
 from kvcompose.tree.ranges import RangeSupport, known_range_support
 
@@ -35,33 +49,20 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
 
-    from kvcompose.composite.children import Children
-    from kvcompose.composite.guard import Guard
-    from kvcompose.composite.ledger import Ledger, LoadRecord
-    from kvcompose.composite.stats import NodeCounters
+    from kvcompose.composite.ledger import LoadRecord
 
 logger = logging.getLogger("kvcompose")
 
 
-class CompositeScheduler(Protocol):
+class CompositeScheduler(RecoveryHost, Protocol):
     """What the stitch half reads from its node's scheduler half
-    (``kvcompose.composite.scheduler.CompositeScheduler``); a protocol, so that the scheduler
-    can import this module without a cycle."""
+    (``kvcompose.composite.scheduler.CompositeScheduler``): what a recovery reads, and more;
+    a protocol, so that the scheduler can import this module without a cycle."""
 
     name: str
-    children: Children
-    guard: Guard
-    counters: NodeCounters
-    ledger: Ledger
     debug: bool
-    block_size: int
-    range_supports: tuple[RangeSupport, ...]
-    allocs: Sequence[Callable[..., Any]]
     base_hit_sources: Callable[[Request, int], dict[Any, int]]
-    step_stitches: dict[str, StitchLoad]
-    step_sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]]
-
-    def ask(self, child: int, request: Request, at: int) -> tuple[int | None, bool]: ...
+    step_invalid_blocks: list[int]
 
 
 def child_range_supports(tree: nodes.Composite) -> tuple[RangeSupport, ...]:
@@ -221,17 +222,25 @@ def allocated(
 ) -> None:
     req_id = request.request_id
     if n > 0 and record.state in (LoadState.LOADING, LoadState.LOADED):
-        place(record.segments, list(blocks.get_block_ids()[0]), sched.block_size)
+        block_ids = list(blocks.get_block_ids()[0])
+        place(record.segments, block_ids, sched.block_size)
         tell_children(sched, record, request, blocks)
         active = [s for s in record.segments if s.active]
         sync = tuple((s.child, s.block_ids) for s in active if not s.is_async)
         if sync:
             sched.step_sync_segments[req_id] = sync
+        lost = given_up(sched, record, req_id, block_ids)
         if record.state is LoadState.LOADING:
+            record.request, record.blocks = request, blocks  # for a recovery
+            record.awaiting = tuple(s.child for s in active if s.is_async)
             sched.step_stitches[req_id] = StitchLoad(
-                tuple(s.child for s in active if s.is_async),
+                record.awaiting,
                 {s.child: s.block_ids for s in active},
+                lost,
+                record.lost_from is not None and not sched.block_level_failures,
             )
+        elif lost:
+            sched.step_invalid_blocks.extend(lost)
         return
     for i, alloc in enumerate(sched.allocs):  # a 0 grant, or the second pass
         try:

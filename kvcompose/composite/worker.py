@@ -17,11 +17,13 @@ filters what its children report (``WorkerSignals``):
   side ships which children's async segments a parked request waits for
   (``CompositeMetadata.stitches``); one ``finished_recving`` goes up once all of them
   reported (an abort waits for all of them too: vLLM frees the blocks on that signal). A
-  failed segment loses only what vLLM allows: on a single-KV-group model its blocks go up
-  as invalid blocks with the ``finished_recving`` (vLLM keeps the valid prefix before it and
-  recomputes the rest), on several groups the request goes up in ``failed_recving`` (vLLM
-  resets it to 0 and looks it up again). The failed children reach the scheduler side in
-  ``ComposedWorkerMeta.failed_segments``.
+  failed segment of a parked load (its child's ``failed_recving``, a raise, or invalid
+  blocks inside its range) is *not* shown to vLLM: the ``finished_recving`` goes up as if
+  it had loaded and the failed children reach the scheduler side in
+  ``ComposedWorkerMeta.failed_segments``, which takes the request out of that receive (it
+  stays parked) and plans the next round: another child reloads the gap, or the worker is
+  told what to give up (``StitchLoad.invalid``/``failed``) with that round's receive.
+  A sync stitched load that was not parked passes its failures straight up (invalid blocks).
 
 A child that raises while loading (``start_load_kv``, ``wait_for_layer_load``,
 ``get_transfer_results``, ``get_block_ids_with_load_errors``) fails its own loads and no
@@ -70,7 +72,11 @@ class WorkerSignals:
         self._stitch_blocks: dict[str, dict[int, tuple[int, ...]]] = {}
         self._stitch_failed: dict[str, set[int]] = {}
         self._sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = {}
-        self._block_level = True
+        # what the scheduler side gave up, reported with the round's receive
+        self._stitch_release: dict[str, tuple[tuple[int, ...], bool]] = {}
+        # rounds whose receive went up this step (a child may report their blocks invalid
+        # after it, in get_block_ids_with_load_errors)
+        self._stitch_ended: dict[str, dict[int, tuple[int, ...]]] = {}
         self._segment_failures: dict[str, frozenset[int]] = {}
 
     def on_metadata(self, metadata: CompositeMetadata) -> None:
@@ -78,8 +84,9 @@ class WorkerSignals:
         self._sync_loads = metadata.sync_loads
         for req_id, children in metadata.sends.items():
             self._send_waiting[req_id] = set(children)
-        self._block_level = metadata.block_level_failures
         self._sync_segments = metadata.sync_segments
+        if metadata.invalid_blocks:
+            self._failed_blocks.update(metadata.invalid_blocks)
         for req_id, stitch in metadata.stitches.items():
             self._add_stitch(req_id, stitch)
 
@@ -87,6 +94,8 @@ class WorkerSignals:
         self._stitch_waits[req_id] = set(stitch.waits)
         self._stitch_blocks[req_id] = dict(stitch.blocks)
         self._stitch_failed[req_id] = set()
+        if stitch.invalid or stitch.failed:
+            self._stitch_release[req_id] = (stitch.invalid, stitch.failed)
 
     def fail_loads_of(self, child: int) -> None:
         """``child`` raised on the worker: its loads cannot be trusted. Its async loads in
@@ -96,19 +105,44 @@ class WorkerSignals:
         for owner, blocks in self._sync_loads.values():
             if owner == child:
                 self._failed_blocks.update(blocks)
-        for segments in self._sync_segments.values():
+        for req_id, segments in self._sync_segments.items():
             for loader, blocks in segments:
                 if loader == child:
-                    self._failed_blocks.update(blocks)
+                    parked = self._stitch_failed.get(req_id)
+                    if parked is not None:  # the scheduler side recovers it
+                        parked.add(child)
+                    else:
+                        self._failed_blocks.update(blocks)
         for req_id, waits in self._stitch_waits.items():
             if child in waits:
                 waits.discard(child)
                 self._stitch_failed[req_id].add(child)
 
     def take_segment_failures(self) -> dict[str, frozenset[int]]:
-        """Stitched loads signalled since the last call whose segments failed."""
+        """Parked stitched loads whose segments failed since the last call (once a step)."""
         failures, self._segment_failures = self._segment_failures, {}
+        self._stitch_ended.clear()
         return failures
+
+    def claim_segment_errors(self, child: int, blocks: set[int]) -> set[int]:
+        """``child`` reported ``blocks`` as failed loads: those inside its segment of a
+        parked stitched load (in flight, or ended this step) fail that segment instead of
+        going up to vLLM. Returns the rest."""
+        if not (self._stitch_blocks or self._stitch_ended):
+            return blocks
+        left = set(blocks)
+        for table, in_flight in ((self._stitch_blocks, True), (self._stitch_ended, False)):
+            for req_id, by_child in table.items():
+                mine = by_child.get(child)
+                if not mine or left.isdisjoint(mine):
+                    continue
+                left.difference_update(mine)
+                if in_flight:
+                    self._stitch_failed[req_id].add(child)
+                else:
+                    failed = self._segment_failures.get(req_id, frozenset())
+                    self._segment_failures[req_id] = failed | {child}
+        return left
 
     def take_failed_blocks(self) -> set[int]:
         blocks, self._failed_blocks = self._failed_blocks, set()
@@ -159,21 +193,23 @@ class WorkerSignals:
         return out
 
     def _finish_stitches(self, out: KVConnectorTransferResults) -> None:
-        """One ``finished_recving`` per stitched load whose async segments all reported."""
+        """One ``finished_recving`` per round of a stitched load whose async segments all
+        reported; its failed segments go to the scheduler side, what the scheduler side gave
+        up goes up with it."""
         done = [req_id for req_id, waits in self._stitch_waits.items() if not waits]
         for req_id in done:
             del self._stitch_waits[req_id]
-            blocks = self._stitch_blocks.pop(req_id)
+            self._stitch_ended[req_id] = self._stitch_blocks.pop(req_id)
             failed = self._stitch_failed.pop(req_id)
             out.finished_recving.add(req_id)
-            if not failed:
-                continue
-            self._segment_failures[req_id] = frozenset(failed)
-            if self._block_level:
-                for child in failed:  # vLLM cuts the request back to the first of them
-                    self._failed_blocks.update(blocks.get(child, ()))
-            else:
-                out.failed_recving.add(req_id)
+            if failed:
+                self._segment_failures[req_id] = frozenset(failed)
+            release = self._stitch_release.pop(req_id, None)
+            if release is not None:
+                invalid, request_failed = release
+                self._failed_blocks.update(invalid)
+                if request_failed:
+                    out.failed_recving.add(req_id)
 
     def live(self) -> dict[str, object]:
         tables: dict[str, object] = {}
@@ -298,7 +334,10 @@ class CompositeWorker:
         errors: set[int] = set()
         for i, child in enumerate(self.children.connectors):
             try:
-                errors |= child.get_block_ids_with_load_errors()
+                mine = child.get_block_ids_with_load_errors()
+                if mine:
+                    mine = self.signals.claim_segment_errors(i, mine)
+                errors |= mine
             except Exception as exc:
                 self.signals.fail_loads_of(i)
                 self.guard.child_error(i, "get_block_ids_with_load_errors", exc)

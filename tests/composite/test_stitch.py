@@ -156,8 +156,9 @@ def test_abort_while_segments_load_waits_for_all_of_them(harness):
 
 
 def test_a_failed_later_segment_keeps_the_earlier_one(harness):
-    """Single KV cache group: the failed segment's blocks go up as invalid blocks with the
-    one receive, so vLLM keeps the valid prefix before it and recomputes the rest."""
+    """Single KV cache group, no other child holds the gap: the failed segment's blocks go up
+    as invalid blocks with the one receive, so vLLM keeps the valid prefix before it and
+    recomputes the rest."""
     a = script("a", Behaviour(tokens=32, is_async=True))
     b = script("b", Behaviour(tokens=80, is_async=True, load_steps=2, load="fail"))
     h = harness(stitch_config(native("a"), native("b")), kv_load_failure_policy="recompute")
@@ -165,7 +166,8 @@ def test_a_failed_later_segment_keeps_the_earlier_one(harness):
     rid = req.request_id
     h.run_until_idle()
     assert sum(scheduled(h, rid)) == 100 - 32 + 1  # after a's segment, and one decode
-    assert a.lookups(rid) == 1 and b.lookups(rid) == 1  # vLLM kept [0, 32): no re-lookup
+    assert lookups_at(a, rid) == [0, 32]  # asked for the gap (a miss); b is excluded
+    assert b.lookups(rid) == 1  # vLLM kept [0, 32): no re-lookup
     assert a.recv_reports(rid) == [False] and b.recv_reports(rid) == [True]
     h.assert_clean()
 

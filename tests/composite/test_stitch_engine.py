@@ -3,11 +3,14 @@
 The fast tier (sync) holds each prompt's first 96 tokens, the slow tier (async) the whole
 prompt. Stitched, the fast tier loads its 96 tokens and the slow tier only the 128 after them
 (the slow tier's lookup starts at the fast tier's end); greedy outputs equal a run without
-any connector; the worker's per-tier counters show the tokens and bytes each tier read.
+any connector; the worker's per-tier counters show the tokens and bytes each tier read. A
+failed slow segment keeps the fast one, or, with a third tier holding the gap, is reloaded
+from it while the request is still parked.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
 from typing import Any
 
@@ -146,3 +149,58 @@ def test_a_failed_slow_segment_keeps_the_fast_one(tiny_model, filled):
     assert tiers["slow"]["load_failures"] == 1
     # no re-lookup: r0 kept its fast segment, so neither tier was asked again
     assert counters["hits.fast"] == n and counters["hits.slow"] == n
+
+
+def test_a_failed_slow_segment_is_reloaded_from_a_third_tier(tiny_model, filled, tmp_path):
+    """r0's slow segment fails; a third tier (a copy of the slow one) holds the gap: while r0
+    is still parked it reloads exactly that segment's tokens, so nothing is recomputed and
+    outputs equal the reference."""
+    requests = filled["requests"]
+    backup = tmp_path / "backup"
+    shutil.copytree(filled["slow"], backup)
+    tree = kvcompose_config(
+        chain(
+            "tiers",
+            prefix_store_leaf("fast", filled["fast"], read_only=True),
+            prefix_store_leaf(
+                "slow",
+                filled["slow"],
+                read_only=True,
+                load_mode="async",
+                fail_load_request_ids=["r0"],
+                fields={
+                    "connector": faulty_store.CONNECTOR,
+                    "module_path": faulty_store.MODULE_PATH,
+                    "load_range": "native",
+                },
+            ),
+            prefix_store_leaf("backup", backup, read_only=True, load_mode="async"),
+            policy="stitch",
+        ),
+        kv_load_failure_policy="recompute",
+    )
+    computed: Counter[str] = Counter()
+    with make_llm(tiny_model, tree, **KW) as llm:
+        sched = scheduler(llm)
+        schedule = sched.schedule
+
+        def counting_schedule(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
+            for req_id, n in out.num_scheduled_tokens.items():
+                computed[req_id.rsplit("-", 1)[0]] += n
+            return out
+
+        sched.schedule = counting_schedule
+        assert run(llm, requests, max_tokens=6) == filled["baseline"]
+        tiers = tier_totals(llm)
+        counters = node_stats(llm)["counters"]
+        assert scheduler_connector(llm).live_requests() == {}
+    decode = 6 - 1
+    gap = OFFERED - FAST
+    assert computed["r0"] == computed["r1"] == PROMPT - OFFERED + decode  # nothing recomputed
+    assert tiers["slow"]["load_failures"] == 1
+    assert tiers["slow"]["tokens_loaded"] == gap  # r1's only
+    assert counters["reloads.backup"] == 1 and counters["reloaded_tokens.backup"] == gap
+    assert tiers["backup"]["tokens_loaded"] == gap  # only the failed segment's tokens
+    assert "hits.backup" not in counters  # the walk never reached it
+    print(f"\nreload: backup re-read r0's {gap} tokens ({tiers['backup']['bytes_loaded']} B)")
