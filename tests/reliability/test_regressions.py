@@ -212,6 +212,45 @@ def test_a_raise_while_naming_bad_blocks_fails_the_load_reported_with_them(make)
     h.assert_clean()
 
 
+LATE_BAD_BLOCKS = (
+    "composite bug: after the worker half fails a child's loads because it raised, the "
+    "child's late reports for those loads are not fenced: its bad block ids still reach vLLM, "
+    "by then the blocks of whatever request holds them (under async scheduling the request "
+    "they cut back never finishes: vLLM skips its output without releasing its placeholder)"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=LATE_BAD_BLOCKS)
+def test_late_bad_blocks_of_a_load_failed_for_a_raise_do_not_reach_vllm(make):
+    """Found as a liveness failure under async scheduling (chain-longest): a raises in
+    get_transfer_results (for r2), so the composite fails a's loads in flight, r1's included
+    (recompute: r1 is reset and freed). a's transfers go on: two steps later it reports r1's
+    old load, with a bad block; the composite drops the receive but passes the block up."""
+    a = script(
+        "rel.a",
+        Behaviour(),
+        r1=Behaviour(tokens=48, is_async=True, load="invalid", invalid_block=1, load_steps=3),
+        r2=Behaviour(tokens=48, is_async=True, raise_in=frozenset({"get_transfer_results"})),
+    )
+    script("rel.b", Behaviour())
+    h = make(
+        chain("root", leaf("a", "rel.a"), leaf("b", "rel.b")), kv_load_failure_policy="recompute"
+    )
+    h.add_request(prompt(80, seed=1), max_tokens=4, request_id="r1")
+    h.add_request(prompt(80, seed=2), max_tokens=4, request_id="r2")
+    late: set[int] = set()
+    for _ in range(40):
+        if not h.has_work():
+            break
+        reported = len(a.recv_reports("r1"))
+        out = h.step().kv_connector_output
+        if len(a.recv_reports("r1")) > reported and out is not None:
+            late |= set(out.invalid_block_ids or ())
+    assert any(c[:2] == ("raise", "get_transfer_results") for c in a.calls)
+    assert a.recv_reports("r1"), "a reported r1's old load after the composite failed it"
+    assert not late, f"bad blocks {sorted(late)} of a load already failed reached vLLM"
+
+
 def test_an_on_error_fail_leaf_under_a_miss_node_reaches_vllm_with_a_note(make):
     """Found as: nested tree, slow1 (on_error: fail) raises in request_finished under the
     node slow (on_error: miss) under root. slow re-raised half way through its finish (slow2
