@@ -506,7 +506,9 @@ class Checks:
                 limit = drained + self.drain_budget()
         STATS["drain_steps"] += drained
         STATS["max_drain_steps"] = max(STATS["max_drain_steps"], drained)
-        if self.gen is not None and self.gen.breakers:
+        if self.gen is not None and (self.gen.breakers or self.worker_raisers):
+            # (also after a contained worker-side raise: the child's transfers for the loads
+            # the composite failed go on, and report late)
             # Rogue signals hold no blocks: the scheduler may go idle before a breaker's
             # timer fires. Keep stepping (as other traffic would) until they did: the late
             # signals, for requests long gone, must be dropped without a crash.
