@@ -210,7 +210,8 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
             # load whose bad blocks the leaf would report after the composite failed it
             for name, b in drawn.items():
                 loading_raises = b.raise_in & FAILS_LOADS
-                if loading_raises and name in self.async_invalid_leaves:
+                async_invalid = b.is_async and b.load == "invalid"
+                if loading_raises and (name in self.async_invalid_leaves or async_invalid):
                     b.raise_in = b.raise_in - loading_raises
                 elif b.is_async and b.load == "invalid" and name in self.loading_raise_leaves:
                     b.load = "fail"
