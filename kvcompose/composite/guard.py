@@ -11,8 +11,10 @@ It does three things, and nothing else:
 - **contains errors** according to the child's ``on_error`` policy: ``miss`` (the default)
   lets the caller fall back (a lookup error is a miss for that request; see
   ``docs/concepts.md`` for every method) and logs it once per child and error type; ``fail``
-  re-raises. A child whose lookups raise ``MAX_LOOKUP_ERRORS`` times is taken out of lookups
-  for new requests (it still hears allocations and finishes), with a log line.
+  re-raises, with a note naming the node, the child and the method, and every node above lets
+  it through too (whatever its own policy). A child whose lookups raise ``MAX_LOOKUP_ERRORS``
+  times is taken out of lookups for new requests (it still hears allocations and finishes),
+  with a log line.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ logger = logging.getLogger("kvcompose")
 
 #: Lookup errors after which a child is no longer asked to look requests up.
 MAX_LOOKUP_ERRORS = 5
+
+
+#: Set on an exception a child raised under ``on_error: fail`` (or strict mode): every node
+#: above lets it through to vLLM, whatever its own edge's policy (a node that re-raised left
+#: its own call half done: containing it higher up would leave that node's tables corrupt).
+_FAILING = "_kvcompose_fail"
+
+
+def _failing(exc: BaseException) -> bool:
+    return getattr(exc, _FAILING, False)
 
 
 class ContractViolation(AssertionError):
@@ -111,7 +123,14 @@ class Guard:
         first = key not in self.errors
         self.errors[key] += 1
         self._count(f"errors.{name}.{where}")
-        if self.on_error[child] == "fail" or self.strict:
+        if self.on_error[child] == "fail" or self.strict or _failing(exc):
+            if not _failing(exc):
+                policy = "fail" if self.on_error[child] == "fail" else "strict"
+                exc.add_note(
+                    f"kvcompose[{self.node_name}]: child {name!r} raised in {where} "
+                    f"(on_error: {policy}: the error goes through to vLLM)"
+                )
+                setattr(exc, _FAILING, True)
             raise exc
         if where == "get_num_new_matched_tokens":
             self.lookup_errors[child] += 1

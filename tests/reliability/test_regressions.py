@@ -178,6 +178,98 @@ def test_partial_invalid_block_failure_recomputes_locally(make):
     h.assert_clean()
 
 
+# ------------------------------------------------------- worker-side and on_error: fail
+def test_a_raise_while_naming_bad_blocks_fails_the_load_reported_with_them(make):
+    """Found as: r1 (d: async hit of 64 tokens, load invalid, raise in
+    get_block_ids_with_load_errors). The step d reports r1's receive, it raises while naming
+    r1's bad block: the composite sent the receive up as a success and the bad block was lost
+    with the exception, so vLLM took garbage for r1's KV. The receives a child reported in
+    the step it raised in ``get_block_ids_with_load_errors`` now go up failed."""
+    bad = Behaviour(
+        tokens=64,
+        is_async=True,
+        load="invalid",
+        invalid_block=1,
+        raise_in=frozenset({"get_block_ids_with_load_errors"}),
+    )
+    a = script("rel.a", Behaviour())
+    d = script("rel.d", Behaviour(), r1=bad)
+    h = make(
+        chain("root", leaf("a", "rel.a"), leaf("d", "rel.d")), kv_load_failure_policy="recompute"
+    )
+    h.add_request(prompt(80, seed=1), max_tokens=1, request_id="r1")
+    failed = set()
+    for _ in range(10):
+        out = h.step().kv_connector_output
+        if out is not None and "r1" in (out.finished_recving or ()):
+            failed = set(out.failed_recving or ())
+            break
+    assert d.recv_reports("r1") == [False], "d reported its receive (its bad block pending)"
+    assert any(c[0] == "invalid_lost" for c in d.calls), "and raised while naming the block"
+    assert failed == {"r1"}, "so the load must not go up as a success"
+    h.run_until_idle(max_steps=40)
+    assert a.lookups("r1") == 2 and d.lookups("r1") == 1, "re-looked up without d"
+    h.assert_clean()
+
+
+LATE_BAD_BLOCKS = (
+    "composite bug: after the worker half fails a child's loads because it raised, the "
+    "child's late reports for those loads are not fenced: its bad block ids still reach vLLM, "
+    "by then the blocks of whatever request holds them (under async scheduling the request "
+    "they cut back never finishes: vLLM skips its output without releasing its placeholder)"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=LATE_BAD_BLOCKS)
+def test_late_bad_blocks_of_a_load_failed_for_a_raise_do_not_reach_vllm(make):
+    """Found as a liveness failure under async scheduling (chain-longest): a raises in
+    get_transfer_results (for r2), so the composite fails a's loads in flight, r1's included
+    (recompute: r1 is reset and freed). a's transfers go on: two steps later it reports r1's
+    old load, with a bad block; the composite drops the receive but passes the block up."""
+    a = script(
+        "rel.a",
+        Behaviour(),
+        r1=Behaviour(tokens=48, is_async=True, load="invalid", invalid_block=1, load_steps=3),
+        r2=Behaviour(tokens=48, is_async=True, raise_in=frozenset({"get_transfer_results"})),
+    )
+    script("rel.b", Behaviour())
+    h = make(
+        chain("root", leaf("a", "rel.a"), leaf("b", "rel.b")), kv_load_failure_policy="recompute"
+    )
+    h.add_request(prompt(80, seed=1), max_tokens=4, request_id="r1")
+    h.add_request(prompt(80, seed=2), max_tokens=4, request_id="r2")
+    late: set[int] = set()
+    for _ in range(40):
+        if not h.has_work():
+            break
+        reported = len(a.recv_reports("r1"))
+        out = h.step().kv_connector_output
+        if len(a.recv_reports("r1")) > reported and out is not None:
+            late |= set(out.invalid_block_ids or ())
+    assert any(c[:2] == ("raise", "get_transfer_results") for c in a.calls)
+    assert a.recv_reports("r1"), "a reported r1's old load after the composite failed it"
+    assert not late, f"bad blocks {sorted(late)} of a load already failed reached vLLM"
+
+
+def test_an_on_error_fail_leaf_under_a_miss_node_reaches_vllm_with_a_note(make):
+    """Found as: nested tree, slow1 (on_error: fail) raises in request_finished under the
+    node slow (on_error: miss) under root. slow re-raised half way through its finish (slow2
+    never heard request_finished) and root contained that as slow's error, leaving slow's
+    tables half updated. A ``fail`` child's error now goes through every node to vLLM, with
+    a note naming the node, the child and the method."""
+    script("rel.slow1", Behaviour(raise_in=frozenset({"request_finished"})))
+    slow2 = script("rel.slow2", Behaviour())
+    script("rel.disk", Behaviour())
+    slow = chain("slow", leaf("slow1", "rel.slow1", on_error="fail"), leaf("slow2", "rel.slow2"))
+    h = make(chain("root", slow, leaf("disk", "rel.disk")))
+    h.add_request(prompt(40, seed=2), max_tokens=1, request_id="r1")
+    with pytest.raises(RuntimeError, match="scripted failure in request_finished for r1") as err:
+        h.run_until_idle(max_steps=10)
+    notes = getattr(err.value, "__notes__", [])
+    assert notes and "kvcompose[slow]: child 'slow1' raised in request_finished" in notes[0]
+    assert slow2.finished["r1"] == 1, "the other children still heard the finish"
+
+
 # ------------------------------------------------------------------- the test double
 def test_scripted_load_blocks_start_after_the_local_hit(make):
     """Found while building the machine: ScriptedConnector placed a load at the request's
