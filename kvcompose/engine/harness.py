@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 from kvcompose.engine.harness_checks import describe_scheduler, leftovers
 from kvcompose.engine.harness_results import FinishedRequest, HarnessStuck, StepResult
+from kvcompose.engine.harness_worker import make_worker_connector, run_worker_step
 from kvcompose.engine.kv_cache import make_kv_cache_configs
 
 #: First token id the harness "samples" from (ids below are the tiny model's special tokens).
@@ -145,23 +146,8 @@ class SchedulerHarness:
         if with_worker:
             if self.connector is None:
                 raise ValueError("with_worker=True needs a kv_transfer_config")
-            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-            from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-            self.worker_connector = KVConnectorFactory.create_connector(
-                config=self.vllm_config,
-                role=KVConnectorRole.WORKER,
-                kv_cache_config=worker_kv_cache_config,
-            )
-            # No KV caches are registered (there is no model), so connectors that need them
-            # cannot run a worker here.
-            # As EngineCore at start-up (``v1/engine/core.py``, after the output aggregator):
-            # the workers' handshake metadata, keyed by (pp_rank, tp_rank), goes to the
-            # scheduler side; when no worker has any the call still comes, with {}. (Without
-            # a worker there is nothing to report, and EngineCore makes no call.)
-            handshake = self.worker_connector.get_handshake_metadata()
-            self.connector.set_xfer_handshake_metadata_pp_aware(
-                {} if handshake is None else {(0, 0): handshake}
+            self.worker_connector = make_worker_connector(
+                self.vllm_config, worker_kv_cache_config, self.connector
             )
 
         #: Every request added, by id (kept after it finishes, for inspection).
@@ -349,33 +335,8 @@ class SchedulerHarness:
         return result
 
     def _run_worker(self, so: SchedulerOutput) -> KVConnectorOutput:
-        from vllm.forward_context import get_forward_context, set_forward_context
-        from vllm.v1.outputs import KVConnectorOutput
-
-        wc = self.worker_connector
-        assert wc is not None
-        meta = so.kv_connector_metadata
-        assert meta is not None, "the scheduler built no connector metadata"
-        out = KVConnectorOutput()
-        wc.handle_preemptions(meta)
-        wc.bind_connector_metadata(meta)
-        with set_forward_context(None, self.vllm_config):
-            wc.start_load_kv(get_forward_context())
-            if so.total_num_scheduled_tokens > 0:
-                for layer in self._layer_names:  # no tensors: for scripted children only
-                    wc.wait_for_layer_load(layer)
-                    wc.save_kv_layer(layer, None, None)
-            wc.wait_for_save()
-        results = wc.get_transfer_results(so.finished_req_ids)
-        out.finished_sending = set(results.finished_sending or ())
-        out.finished_recving = set(results.finished_recving or ())
-        out.failed_recving = set(getattr(results, "failed_recving", None) or ())
-        out.invalid_block_ids = set(wc.get_block_ids_with_load_errors() or ())
-        out.kv_connector_stats = wc.get_kv_connector_stats()
-        out.kv_cache_events = wc.get_kv_connector_kv_cache_events()
-        out.kv_connector_worker_meta = wc.build_connector_worker_meta()
-        wc.clear_connector_metadata()
-        return out
+        assert self.worker_connector is not None
+        return run_worker_step(self.worker_connector, so, self.vllm_config, self._layer_names)
 
     def has_work(self) -> bool:
         """What ``EngineCore`` asks before stepping: ``scheduler.has_requests()``."""
