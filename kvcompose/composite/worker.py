@@ -329,16 +329,17 @@ class CompositeWorker:
         its bad blocks has its receives of this step go up failed, not as good loads whose
         bad blocks were lost with the exception."""
         results: list[KVConnectorTransferResults | None] = []
-        errors: set[int] = set()
+        errors: list[set[int]] = []
         for i, child in enumerate(self.children.connectors):
             result: KVConnectorTransferResults | None = None
+            mine: set[int] = set()
             try:
                 result = child.get_transfer_results(finished_req_ids)
             except Exception as exc:
                 self.signals.fail_loads_of(i)
                 self.guard.child_error(i, "get_transfer_results", exc)
             try:
-                errors |= child.get_block_ids_with_load_errors()
+                mine = set(child.get_block_ids_with_load_errors() or ())
             except Exception as exc:
                 reporting: set[str] = set()
                 if result is not None:
@@ -347,8 +348,14 @@ class CompositeWorker:
                 self.signals.fail_loads_of(i, reporting)
                 self.guard.child_error(i, "get_block_ids_with_load_errors", exc)
             results.append(result)
-        self._load_errors = errors
-        return self.signals.combine(results)
+            errors.append(mine)
+        combined = self.signals.combine(results)
+        # As when vLLM asks for the errors after the results: a parked stitch's segment
+        # claims its own bad blocks (hidden from vLLM, recovered by the scheduler half).
+        self._load_errors = set().union(
+            *(self.signals.claim_segment_errors(i, mine) for i, mine in enumerate(errors) if mine)
+        )
+        return combined
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

@@ -252,9 +252,16 @@ class Checks:
         # (10) no garbage: blocks a child found bad reach vLLM as invalid in that step, also
         # when the child raised while reporting them (its loads fail)
         invalid = set(out.invalid_block_ids or ()) if out is not None else set()
+        # except in a stitched load: the node hides a parked segment's bad blocks from vLLM
+        # and the scheduler half reloads or gives up that range (test_stitch_recovery.py)
+        recovering: set[int] = set()
+        for rid in self.stitched:
+            if rid in self.h.scheduler.requests:
+                for group in self.h.scheduler.kv_cache_manager.get_block_ids(rid):
+                    recovering.update(group)
         for name, bad in self.step_bad_blocks.items():
             check(
-                bad <= invalid,
+                bad - recovering <= invalid,
                 f"{name} found blocks {sorted(bad - invalid)} bad, but they did not reach "
                 f"vLLM as invalid (invalid this step: {sorted(invalid)})",
             )
