@@ -50,6 +50,40 @@ def tier_totals(llm: Any) -> dict[str, dict[str, Any]]:
     return llm.collective_rpc(_tier_totals)[0]
 
 
+def slow_failing_r0(filled: dict[str, Any]) -> dict[str, Any]:
+    """The slow tier whose loads of r0 fail (the store with a fault switch, a subclass the
+    range table does not know by name, so it says it is native)."""
+    return prefix_store_leaf(
+        "slow",
+        filled["slow"],
+        read_only=True,
+        load_mode="async",
+        fail_load_request_ids=["r0"],
+        fields={
+            "connector": faulty_store.CONNECTOR,
+            "module_path": faulty_store.MODULE_PATH,
+            "load_range": "native",
+        },
+    )
+
+
+def count_computed(llm: Any) -> Counter[str]:
+    """Tokens the model computes from now on, per request id as the client chose it (the
+    engine's scheduler is wrapped; vLLM appends ``-<suffix>`` to the id)."""
+    computed: Counter[str] = Counter()
+    sched = scheduler(llm)
+    schedule = sched.schedule
+
+    def counting_schedule(*args: Any, **kwargs: Any) -> Any:
+        out = schedule(*args, **kwargs)
+        for req_id, n in out.num_scheduled_tokens.items():
+            computed[req_id.rsplit("-", 1)[0]] += n
+        return out
+
+    sched.schedule = counting_schedule
+    return computed
+
+
 @pytest.fixture(scope="module")
 def filled(tiny_model, tmp_path_factory) -> dict[str, Any]:
     """The reference outputs, and the two tiers filled: slow with whole prompts, fast with
@@ -108,35 +142,13 @@ def test_a_failed_slow_segment_keeps_the_fast_one(tiny_model, filled):
         chain(
             "tiers",
             prefix_store_leaf("fast", filled["fast"], read_only=True),
-            prefix_store_leaf(
-                "slow",
-                filled["slow"],
-                read_only=True,
-                load_mode="async",
-                fail_load_request_ids=["r0"],
-                # a subclass of the store, unknown to the range table by name
-                fields={
-                    "connector": faulty_store.CONNECTOR,
-                    "module_path": faulty_store.MODULE_PATH,
-                    "load_range": "native",
-                },
-            ),
+            slow_failing_r0(filled),
             policy="stitch",
         ),
         kv_load_failure_policy="recompute",
     )
-    computed: Counter[str] = Counter()  # tokens the model computed, per request
     with make_llm(tiny_model, tree, **KW) as llm:
-        sched = scheduler(llm)
-        schedule = sched.schedule
-
-        def counting_schedule(*args: Any, **kwargs: Any) -> Any:
-            out = schedule(*args, **kwargs)
-            for req_id, n in out.num_scheduled_tokens.items():
-                computed[req_id.rsplit("-", 1)[0]] += n
-            return out
-
-        sched.schedule = counting_schedule
+        computed = count_computed(llm)
         assert run(llm, requests, max_tokens=6) == filled["baseline"]
         tiers = tier_totals(llm)
         counters = node_stats(llm)["counters"]
@@ -162,35 +174,14 @@ def test_a_failed_slow_segment_is_reloaded_from_a_third_tier(tiny_model, filled,
         chain(
             "tiers",
             prefix_store_leaf("fast", filled["fast"], read_only=True),
-            prefix_store_leaf(
-                "slow",
-                filled["slow"],
-                read_only=True,
-                load_mode="async",
-                fail_load_request_ids=["r0"],
-                fields={
-                    "connector": faulty_store.CONNECTOR,
-                    "module_path": faulty_store.MODULE_PATH,
-                    "load_range": "native",
-                },
-            ),
+            slow_failing_r0(filled),
             prefix_store_leaf("backup", backup, read_only=True, load_mode="async"),
             policy="stitch",
         ),
         kv_load_failure_policy="recompute",
     )
-    computed: Counter[str] = Counter()
     with make_llm(tiny_model, tree, **KW) as llm:
-        sched = scheduler(llm)
-        schedule = sched.schedule
-
-        def counting_schedule(*args: Any, **kwargs: Any) -> Any:
-            out = schedule(*args, **kwargs)
-            for req_id, n in out.num_scheduled_tokens.items():
-                computed[req_id.rsplit("-", 1)[0]] += n
-            return out
-
-        sched.schedule = counting_schedule
+        computed = count_computed(llm)
         assert run(llm, requests, max_tokens=6) == filled["baseline"]
         tiers = tier_totals(llm)
         counters = node_stats(llm)["counters"]
