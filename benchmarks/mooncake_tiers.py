@@ -131,27 +131,51 @@ def scale(rows: list[dict[str, Any]], picked: list[int]) -> list[Scaled]:
     return out
 
 
-def build(args: argparse.Namespace) -> dict[str, Any]:
-    rows = read(args.trace)
-    picked = sample(rows, args.requests, args.seed)
-    lines: list[dict[str, Any]] = []
+def chunk_prefixes(req: Scaled) -> list[tuple[int, ...]]:
+    """Each of the request's whole store chunks, named by the trace blocks up to its end (two
+    requests share a chunk exactly when they share these)."""
+    per_chunk = CHUNK_TOKENS // BLOCK_TOKENS
+    n_chunks = req.prompt_tokens // CHUNK_TOKENS
+    return [tuple(req.blocks[: (c + 1) * per_chunk]) for c in range(n_chunks)]
+
+
+def ceiling_tokens(reqs: list[Scaled]) -> int:
+    """Hit tokens of an infinite cache that starts empty: each prompt's leading blocks seen in
+    an earlier request, rounded down to whole chunks inside ``prompt[:-1]``."""
     seen: set[int] = set()
-    chunks_seen: set[tuple[int, ...]] = set()
-    ceiling_tokens = prompt_tokens = blocks = reused_blocks = 0
-    for rank, req in enumerate(scale(rows, picked)):
-        used, n = req.blocks, req.prompt_tokens
+    total = 0
+    for req in reqs:
         lead = 0
-        for h in used:
+        for h in req.blocks:
             if h not in seen:
                 break
             lead += 1
+        total += min(lead * BLOCK_TOKENS, req.prompt_tokens - 1) // CHUNK_TOKENS * CHUNK_TOKENS
+        seen.update(req.blocks)
+    return total
+
+
+def working_set_chunks(reqs: list[Scaled]) -> int:
+    """How many distinct chunks the requests have."""
+    return len({c for req in reqs for c in chunk_prefixes(req)})
+
+
+def working_set_bytes(reqs: list[Scaled]) -> int:
+    """The KV bytes of the requests' distinct chunks."""
+    return working_set_chunks(reqs) * CHUNK_TOKENS * KV_BYTES_PER_TOKEN
+
+
+def build(args: argparse.Namespace) -> dict[str, Any]:
+    rows = read(args.trace)
+    picked = sample(rows, args.requests, args.seed)
+    reqs = scale(rows, picked)
+    lines: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    prompt_tokens = blocks = reused_blocks = 0
+    for rank, req in enumerate(reqs):
+        used, n = req.blocks, req.prompt_tokens
         blocks += len(used)
         reused_blocks += sum(1 for h in used if h in seen)
-        shared = min(lead * BLOCK_TOKENS, n - 1)
-        ceiling_tokens += shared // CHUNK_TOKENS * CHUNK_TOKENS
-        per_chunk = CHUNK_TOKENS // BLOCK_TOKENS
-        for c in range(n // CHUNK_TOKENS):
-            chunks_seen.add(tuple(used[: (c + 1) * per_chunk]))
         seen.update(used)
         prompt = [t for h in used for t in token_block(h, args.seed)][:n]
         prompt_tokens += n
@@ -164,7 +188,9 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
                 "trace_index": req.trace_index,
             }
         )
-    working_set = len(chunks_seen) * CHUNK_TOKENS * KV_BYTES_PER_TOKEN
+    ceiling_tokens_ = ceiling_tokens(reqs)
+    chunks = working_set_chunks(reqs)
+    working_set = chunks * CHUNK_TOKENS * KV_BYTES_PER_TOKEN
     info = {
         "trace": str(args.trace),
         "seed": args.seed,
@@ -174,9 +200,9 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": prompt_tokens,
         "blocks": blocks,
         "block_reuse_percent": round(100 * reused_blocks / max(blocks, 1), 1),
-        "ceiling_hit_tokens": ceiling_tokens,
-        "ceiling_percent_of_prompt_tokens": round(100 * ceiling_tokens / max(prompt_tokens, 1), 1),
-        "working_set_chunks": len(chunks_seen),
+        "ceiling_hit_tokens": ceiling_tokens_,
+        "ceiling_percent_of_prompt_tokens": round(100 * ceiling_tokens_ / max(prompt_tokens, 1), 1),
+        "working_set_chunks": chunks,
         "working_set_bytes": working_set,
         "fast_max_bytes": working_set // 5,
     }

@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from mooncake_tiers import CHUNK_TOKENS, Scaled
+from mooncake_tiers import CHUNK_TOKENS, Scaled, chunk_prefixes
 
+from kvcompose.bench.run import warmup_length
 from kvcompose.stores.prefix.admission import Admission, AdmissionRule, FrequencySketch
 from kvcompose.stores.prefix.keys import lookup_limit_chunks
 from kvcompose.stores.prefix.scheduler import INFLIGHT_SAVE_STEPS
@@ -50,7 +51,6 @@ from kvcompose.tree.conditions import RequestCondition
 #: over the chunks it saved (415,329,552 / 99,
 #: ``mooncake_tiers/history/single-round-results.json``).
 CHUNK_FILE_BYTES = 4_195_248
-PER_CHUNK_BLOCKS = CHUNK_TOKENS // 64
 #: How many steps after a save was planned the scheduler half still skips the chunk:
 #: planned at step s, skipped at steps up to s + INFLIGHT_SAVE_STEPS + 1 (the dict is
 #: pruned after each step's planning).
@@ -208,40 +208,16 @@ class Prompt:
 def prompts(reqs: list[Scaled]) -> list[Prompt]:
     """The chunk keys of each request (the hash ids of the blocks up to each chunk's end)
     after the bench's two warm-up prompts (median length, sharing nothing)."""
-    lens = sorted(r.prompt_tokens for r in reqs)
-    warm = lens[len(lens) // 2] if lens else 256
+    warm = warmup_length([r.prompt_tokens for r in reqs])
     # Both warm-ups arrive at once: two prefill steps, then the rest of their 4 tokens.
     out = [
         Prompt([f"warmup{i}/{c}" for c in range(warm // CHUNK_TOKENS)], warm, 1 + 3 * i)
         for i in range(2)
     ]
     for r in reqs:
-        keys = [
-            ",".join(map(str, r.blocks[: (c + 1) * PER_CHUNK_BLOCKS]))
-            for c in range(r.prompt_tokens // CHUNK_TOKENS)
-        ]
+        keys = [",".join(map(str, chunk)) for chunk in chunk_prefixes(r)]
         out.append(Prompt(keys, r.prompt_tokens, r.max_tokens))
     return out
-
-
-def ceiling(reqs: list[Scaled]) -> int:
-    """Hit tokens of an infinite cache that starts empty (as ``mooncake_tiers.build``)."""
-    seen: set[int] = set()
-    total = 0
-    for r in reqs:
-        lead = 0
-        for h in r.blocks:
-            if h not in seen:
-                break
-            lead += 1
-        total += min(lead * 64, r.prompt_tokens - 1) // CHUNK_TOKENS * CHUNK_TOKENS
-        seen.update(r.blocks)
-    return total
-
-
-def working_set_bytes(reqs: list[Scaled]) -> int:
-    keys = {k for p in prompts(reqs)[2:] for k in p.keys}
-    return len(keys) * CHUNK_TOKENS * 32 * 1024  # as mooncake_tiers.build counts it
 
 
 def simulate(

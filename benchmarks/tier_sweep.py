@@ -20,16 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mooncake_tiers import HERE, TRACE, Scaled, read, sample, scale
-from tier_sim import (
-    CHUNK_FILE_BYTES,
-    Config,
-    Rule,
-    ceiling,
-    config_of,
-    simulate,
-    working_set_bytes,
-)
+from mooncake_tiers import HERE, TRACE, Scaled, read, sample, scale, working_set_bytes
+from tier_sim import CHUNK_FILE_BYTES, Config, Rule, config_of, simulate
 
 SYNTHETIC = TRACE.with_name("synthetic_trace.jsonl")
 SYNTH_DIR = "mooncake_tiers_synthetic"
@@ -104,7 +96,9 @@ class Sample:
 
 
 def sample_requests(s: Sample, cache: dict[Path, list[dict[str, Any]]]) -> list[Scaled]:
-    rows = cache.setdefault(s.trace, read(s.trace))
+    if s.trace not in cache:
+        cache[s.trace] = read(s.trace)
+    rows = cache[s.trace]
     return scale(rows, sample(rows, s.requests, s.seed))
 
 
@@ -141,12 +135,12 @@ def frontier(samples: list[Sample]) -> dict[str, Any]:
     for s in samples:
         reqs = sample_requests(s, cache)
         cap = working_set_bytes(reqs) // 5
-        base = simulate(reqs, rules[0][1], cap)
+        results = [simulate(reqs, config, cap) for _, config in rules]
+        base = results[0]  # plain longest
         base_fast = base["fast"]["hit_tokens"]
         base_total = base_fast + base["slow"]["hit_tokens"]
         base_bytes = base["fast"]["bytes_written"]
-        for label, config in rules:
-            r = simulate(reqs, config, cap)
+        for (label, _), r in zip(rules, results, strict=True):
             fast, total = r["fast"]["hit_tokens"], r["fast"]["hit_tokens"] + r["slow"]["hit_tokens"]
             row = table.setdefault(label, {})
             row[s.label] = {
@@ -156,7 +150,6 @@ def frontier(samples: list[Sample]) -> dict[str, Any]:
                 "write_cut": 1 - r["fast"]["bytes_written"] / max(base_bytes, 1),
                 "fast_hit_loss": 1 - fast / max(base_fast, 1),
                 "total_hit_loss": 1 - total / max(base_total, 1),
-                "ceiling": ceiling(reqs),
             }
     return table
 

@@ -28,6 +28,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import tempfile
 import threading
 import time
@@ -119,10 +120,14 @@ def build_workload(opts: BenchOptions, vocab_size: int, seed: int) -> Workload:
     return wl
 
 
+def warmup_length(prompt_lengths: list[int]) -> int:
+    """The warm-up prompts' length: a typical one of the workload's (the upper median)."""
+    return statistics.median_high(prompt_lengths) if prompt_lengths else 256
+
+
 def warmup_prompts(wl: Workload, n: int, vocab_size: int, seed: int) -> list[list[int]]:
     """Prompts unrelated to the workload (they share nothing with it), typical length."""
-    lens = sorted(len(r.prompt) for r in wl.requests)
-    length = lens[len(lens) // 2] if lens else 256
+    length = warmup_length([len(r.prompt) for r in wl.requests])
     return [
         token_block(f"warmup{i}", length, vocab_size=vocab_size, seed=seed + 7919) for i in range(n)
     ]
