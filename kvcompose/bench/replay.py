@@ -128,12 +128,13 @@ def measure(
     if warm:
         replay(engine, warm, phase="warmup", timed=False, timeout_s=timeout_s)
     result.warmup_s = round_s(time.perf_counter() - t)
+    flush_store_writers()  # the warm-up's writes stay out of the replay's counts
     before = connector_snapshot(llm, stores)
     usage_before = _usage(stores)
     t = time.perf_counter()
     records = replay(engine, requests, phase="replay", timed=timed, timeout_s=timeout_s)
     result.replay_s = round_s(time.perf_counter() - t)
-    flush_store_writers()  # (after the timed replay: the writes it queued, counted)
+    flush_store_writers()  # after the timed replay: the writes it queued, counted
     after = connector_snapshot(llm, stores)
     usage_after = _usage(stores)
     result.connector = snapshot_delta(after, before)

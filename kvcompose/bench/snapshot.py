@@ -8,11 +8,14 @@ counters; its children are named after their stores.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from kvcompose.bench.results import ConnectorSnapshot, SnapshotNode
 from kvcompose.engine import probe
+
+logger = logging.getLogger(__name__)
 
 
 def _counters(node: Any) -> dict[str, float]:
@@ -31,8 +34,8 @@ def flush_store_writers(timeout_s: float = 60.0) -> None:
         return
     for node in probe.walk_connectors(worker_root):
         writer = getattr(getattr(node.connector, "connector_worker", None), "writer", None)
-        if writer is not None:
-            writer.flush(timeout_s)
+        if writer is not None and not writer.flush(timeout_s):
+            logger.warning("%s: background writes still queued after %.0f s", node.path, timeout_s)
 
 
 def connector_snapshot(llm: Any, store_paths: dict[str, str]) -> ConnectorSnapshot:
