@@ -244,10 +244,14 @@ class SchedulerHarness:
         goes through vLLM's ``KVOutputAggregator`` (world size 1): as in the engine,
         a ``failed_recving`` id is forwarded only together with its ``finished_recving``.
         """
-        so = self.scheduler.schedule()
+        batch = self._next_batch()
+        if isinstance(batch, StepResult):
+            if any((finished_sending, finished_recving, failed_recving, invalid_block_ids)):
+                raise ValueError("this step ran no batch: no worker output to add sets to")
+            self.history.append(batch)
+            return batch
         return self._execute(
-            so,
-            self._sampled_for(so),
+            *batch,
             finished_sending=finished_sending,
             finished_recving=finished_recving,
             failed_recving=failed_recving,
@@ -258,6 +262,12 @@ class SchedulerHarness:
         from vllm.v1.core.sched.scheduler import Scheduler
 
         return Scheduler
+
+    def _next_batch(self) -> tuple[SchedulerOutput, dict[str, list[int]]] | StepResult:
+        """The batch this step runs and what it samples: a new one (one batch at a time),
+        or a ``StepResult`` for a step that runs none (the async harness)."""
+        so = self.scheduler.schedule()
+        return so, self._sampled_for(so)
 
     def _sampled_for(self, so: SchedulerOutput) -> dict[str, list[int]]:
         """What the model samples for a batch, decided when it is scheduled: one token for

@@ -23,8 +23,7 @@ the scheduler, so this is one of the interleavings a real engine has).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcompose.engine.harness import SchedulerHarness
 from kvcompose.engine.harness_results import StepResult
@@ -36,50 +35,36 @@ if TYPE_CHECKING:
 class AsyncSchedulerHarness(SchedulerHarness):
     """``SchedulerHarness`` over vLLM's ``AsyncScheduler``, one batch in flight per step."""
 
-    def _scheduler_class(self) -> type:
-        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-
-        self.vllm_config.scheduler_config.async_scheduling = True
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         #: Batches scheduled and not yet fed back, newest first (EngineCore's batch queue).
         self.in_flight: deque[tuple[SchedulerOutput, dict[str, list[int]]]] = deque()
         self.queue_size = self.vllm_config.max_concurrent_batches
+
+    def _scheduler_class(self) -> type:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        self.vllm_config.scheduler_config.async_scheduling = True  # before it is built
         return AsyncScheduler
 
-    def step(
-        self,
-        *,
-        finished_sending: Iterable[str] = (),
-        finished_recving: Iterable[str] = (),
-        failed_recving: Iterable[str] = (),
-        invalid_block_ids: Iterable[int] = (),
-    ) -> StepResult:
-        """One call of ``step_with_batch_queue``: schedule a batch while the scheduler has
-        requests; while the queue is not full (and the batch ran tokens or requests remain)
-        return, otherwise run the oldest batch and feed its output back. A step that only
-        schedules returns a result with no connector output and no outputs."""
+    def _next_batch(self) -> tuple[SchedulerOutput, dict[str, list[int]]] | StepResult:
+        """As ``step_with_batch_queue``: schedule a batch while the scheduler has requests;
+        while the queue is not full (and the batch ran tokens or requests remain) run
+        nothing (a ``StepResult`` with no connector output and no outputs), otherwise run
+        the oldest batch."""
         if self.scheduler.has_requests() or not self.in_flight:
             so = self.scheduler.schedule()
             self.in_flight.appendleft((so, self._sampled_for(so)))
             if len(self.in_flight) < self.queue_size and (
                 so.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()
             ):
-                result = StepResult(
+                return StepResult(
                     step=len(self.history),
                     scheduler_output=so,
                     engine_core_outputs={},
                     kv_connector_output=None,
                 )
-                self.history.append(result)
-                return result
-        so, sampled = self.in_flight.pop()
-        return self._execute(
-            so,
-            sampled,
-            finished_sending=finished_sending,
-            finished_recving=finished_recving,
-            failed_recving=failed_recving,
-            invalid_block_ids=invalid_block_ids,
-        )
+        return self.in_flight.pop()
 
     def has_work(self) -> bool:
         """``EngineCore`` keeps stepping while the scheduler has requests or a batch is in
