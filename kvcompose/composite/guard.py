@@ -85,6 +85,13 @@ class Guard:
         if first:
             logger.warning("%s (logged once per child and kind)", message)
 
+    def fenced(self, child: int, detail: str) -> None:
+        """A child's late report for a load the worker half already failed for its raise:
+        dropped and counted, not a violation (the child cannot know the load was given up)."""
+        name = self.child_names[child]
+        self._count(f"fenced.{name}")
+        logger.debug("kvcompose[%s]: dropped child %r's %s", self.node_name, name, detail)
+
     def normalise_lookup(self, child: int, result: Any) -> tuple[int | None, bool]:
         """Check a child's ``get_num_new_matched_tokens`` answer."""
         if type(result) is tuple and len(result) == 2 and type(result[0]) is int:

@@ -22,8 +22,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 class CompositeMetadata(KVConnectorMetadata):
     """Scheduler → worker, once per step.
 
-    ``loads``: async loads handed out this step, request id → owner child index; the worker
-    forwards that child's ``finished_recving``/``failed_recving`` for the request, once.
+    ``loads``: async loads handed out this step, request id → (owner child index, block ids
+    the load writes); the worker forwards that child's ``finished_recving``/``failed_recving``
+    for the request, once, and fences the blocks if it fails the load for the child's raise.
     ``sync_loads``: sync loads of this step, request id → (owner, block ids the load writes);
     if the owner raises on the worker, those blocks are reported as failed loads.
     ``sends``: requests finished this step whose blocks stay alive, request id → the children
@@ -37,7 +38,7 @@ class CompositeMetadata(KVConnectorMetadata):
     """
 
     children: tuple[KVConnectorMetadata | None, ...]
-    loads: dict[str, int] = field(default_factory=dict)
+    loads: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     sync_loads: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     sends: dict[str, tuple[int, ...]] = field(default_factory=dict)
     stitches: dict[str, StitchLoad] = field(default_factory=dict)

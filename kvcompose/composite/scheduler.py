@@ -95,7 +95,7 @@ class CompositeScheduler(SchedulerForwarding):
         self.finishes = Finishes()
         self._outputs = OutputRouter(self.ledger, self.finishes, children)
         self._partial_tails: dict[str, set[int]] = {}  # accepted tails, until the finish
-        self._step_loads: dict[str, int] = {}
+        self._step_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._step_sync_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._step_sends: dict[str, tuple[int, ...]] = {}
         self.step_stitches: dict[str, StitchLoad] = {}
@@ -279,7 +279,7 @@ class CompositeScheduler(SchedulerForwarding):
         if num_external_tokens > 0 and record is not None and owner is not None:
             record.load_blocks = self._load_blocks(blocks, record.local_tokens, num_external_tokens)
             if record.state is LoadState.LOADING:
-                self._step_loads[req_id] = owner
+                self._step_loads[req_id] = (owner, record.load_blocks)
             elif record.state is LoadState.LOADED:
                 self._step_sync_loads[req_id] = (owner, record.load_blocks)
 
@@ -348,7 +348,9 @@ class CompositeScheduler(SchedulerForwarding):
             recovery.recover(self, own)
         for req_id, child in held:
             if child is not None:
-                self._step_loads[req_id] = child
+                record = self.ledger.get(req_id)
+                blocks = record.load_blocks if record is not None else ()
+                self._step_loads[req_id] = (child, blocks)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Each child sees the step's output as if it were the only connector

@@ -7,8 +7,9 @@ KV, and frees blocks early (then crashes) on a premature or duplicate ``finished
 filters what its children report (``WorkerSignals``):
 
 - **receives**: a request's ``finished_recving``/``failed_recving`` goes up only from the child
-  the scheduler side named as its load owner (shipped in ``CompositeMetadata.loads``), and only
-  once per load. Anything else is a contract violation, dropped and counted.
+  the scheduler side named as its load owner (shipped in ``CompositeMetadata.loads`` with the
+  blocks the load writes), and only once per load. Anything else is a contract violation,
+  dropped and counted.
 - **sends**: the scheduler side ships, per finished request, which children asked to delay the
   free (``CompositeMetadata.sends``). ``finished_sending`` goes up once all of them reported.
   A child reporting a send it never asked for is a violation, dropped and counted.
@@ -30,6 +31,13 @@ A child that raises while loading (``start_load_kv``, ``wait_for_layer_load``,
 other's: its async loads in flight are reported failed once, its sync loads of the step as
 failed blocks. A child's load errors are taken right after its transfer results, so one that
 raises while naming its bad blocks has the receives it reported in that step go up failed.
+
+Such a child's transfers may go on. Once vLLM has heard that a load failed, it frees the
+request's blocks (or cuts it back) and hands them to other requests, so the child's late
+reports for that load are *fenced*: its receive is dropped, and bad block ids it names inside
+the failed load's blocks are dropped too (they would name another request's blocks by then).
+A fence ends in the step the child reports that receive, or, block by block, when the
+scheduler side gives the same child a new load of those blocks.
 Tables empty themselves as signals go up; ``live()`` shows what is in flight.
 """
 
@@ -65,6 +73,10 @@ class WorkerSignals:
     def __init__(self, guard: Guard) -> None:
         self._guard = guard
         self._recv_owner: dict[str, int] = {}
+        self._recv_blocks: dict[str, tuple[int, ...]] = {}
+        # child -> request -> blocks of its loads failed for a raise (see the module docstring)
+        self._fences: dict[int, dict[str, frozenset[int]]] = {}
+        self._fences_ending: list[tuple[int, str]] = []
         self._send_waiting: dict[str, set[int]] = {}
         self._sync_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._failed_loads: set[str] = set()
@@ -82,8 +94,12 @@ class WorkerSignals:
         self._segment_failures: dict[str, frozenset[int]] = {}
 
     def on_metadata(self, metadata: CompositeMetadata) -> None:
-        self._recv_owner.update(metadata.loads)
+        for req_id, (owner, blocks) in metadata.loads.items():
+            self._recv_owner[req_id] = owner
+            self._recv_blocks[req_id] = blocks
         self._sync_loads = metadata.sync_loads
+        if self._fences:
+            self._unfence(metadata)
         for req_id, children in metadata.sends.items():
             self._send_waiting[req_id] = set(children)
         self._sync_segments = metadata.sync_segments
@@ -99,15 +115,32 @@ class WorkerSignals:
         if stitch.invalid or stitch.failed:
             self._stitch_release[req_id] = (stitch.invalid, stitch.failed)
 
+    def _unfence(self, metadata: CompositeMetadata) -> None:
+        """A child's new loads lift its fences on their blocks: errors there are the new
+        load's."""
+        loads = [*metadata.loads.values(), *metadata.sync_loads.values()]
+        loads += [seg for segments in metadata.sync_segments.values() for seg in segments]
+        for stitch in metadata.stitches.values():
+            loads += stitch.blocks.items()
+        for child, blocks in loads:
+            fences = self._fences.get(child)
+            if fences:
+                for req_id, fenced in list(fences.items()):
+                    fences[req_id] = fenced.difference(blocks)
+
+    def _fence(self, child: int, req_id: str, blocks: tuple[int, ...]) -> None:
+        self._fences.setdefault(child, {})[req_id] = frozenset(blocks)
+
     def fail_loads_of(self, child: int, reporting: set[str] | frozenset[str] = frozenset()) -> None:
         """``child`` raised on the worker: its loads cannot be trusted. Its async loads in
-        flight are reported failed (once), its sync loads of this step as failed blocks, so
-        vLLM recomputes (or fails) those requests instead of using garbage or waiting forever.
-        ``reporting``: requests whose receive the child reports this step (marked failed by
-        the caller), left to that report."""
-        self._failed_loads.update(
-            r for r, owner in self._recv_owner.items() if owner == child and r not in reporting
-        )
+        flight are reported failed (once) and fenced, its sync loads of this step as failed
+        blocks, so vLLM recomputes (or fails) those requests instead of using garbage or
+        waiting forever. ``reporting``: requests whose receive the child reports this step
+        (marked failed by the caller), left to that report."""
+        for req_id, owner in self._recv_owner.items():
+            if owner == child and req_id not in reporting:
+                self._failed_loads.add(req_id)
+                self._fence(child, req_id, self._recv_blocks.get(req_id, ()))
         for owner, blocks in self._sync_loads.values():
             if owner == child:
                 self._failed_blocks.update(blocks)
@@ -123,6 +156,7 @@ class WorkerSignals:
             if child in waits and req_id not in reporting:
                 waits.discard(child)
                 self._stitch_failed[req_id].add(child)
+                self._fence(child, req_id, self._stitch_blocks[req_id].get(child, ()))
 
     def take_segment_failures(self) -> dict[str, frozenset[int]]:
         """Parked stitched loads whose segments failed since the last call (once a step)."""
@@ -150,6 +184,27 @@ class WorkerSignals:
                     self._segment_failures[req_id] = failed | {child}
         return left
 
+    def claim_errors(self, child: int, blocks: set[int]) -> set[int]:
+        """What of ``child``'s reported bad blocks goes up to vLLM: not those of its fenced
+        loads (dropped, counted), not those a parked stitch's segment claims."""
+        fences = self._fences.get(child)
+        if fences:
+            fenced = blocks.intersection(set().union(*fences.values()))
+            if fenced:
+                blocks = blocks - fenced
+                self._guard.fenced(child, f"bad blocks {sorted(fenced)} of a failed load")
+        return self.claim_segment_errors(child, blocks) if blocks else blocks
+
+    def end_fences(self) -> None:
+        """After the step's errors were taken: fences whose late receive came this step end."""
+        for child, req_id in self._fences_ending:
+            fences = self._fences.get(child)
+            if fences is not None:
+                fences.pop(req_id, None)
+                if not fences:
+                    del self._fences[child]
+        self._fences_ending.clear()
+
     def take_failed_blocks(self) -> set[int]:
         blocks, self._failed_blocks = self._failed_blocks, set()
         return blocks
@@ -159,6 +214,7 @@ class WorkerSignals:
     ) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
         for req_id in self._failed_loads:
+            self._recv_blocks.pop(req_id, None)
             if self._recv_owner.pop(req_id, None) is not None:
                 out.finished_recving.add(req_id)
                 out.failed_recving.add(req_id)
@@ -174,6 +230,10 @@ class WorkerSignals:
                         self._stitch_failed[req_id].add(child)
                     continue
                 owner = self._recv_owner.get(req_id)
+                if owner is None and req_id in self._fences.get(child, ()):
+                    self._fences_ending.append((child, req_id))
+                    self._guard.fenced(child, f"receive of {req_id}'s failed load")
+                    continue
                 if owner != child:
                     kind = "foreign_recv" if owner is not None else "unexpected_recv"
                     self._guard.violation(
@@ -181,6 +241,7 @@ class WorkerSignals:
                     )
                     continue
                 del self._recv_owner[req_id]
+                self._recv_blocks.pop(req_id, None)
                 out.finished_recving.add(req_id)
                 if req_id in result.failed_recving:
                     out.failed_recving.add(req_id)
@@ -332,29 +393,17 @@ class CompositeWorker:
         errors: list[set[int]] = []
         for i, child in enumerate(self.children.connectors):
             result: KVConnectorTransferResults | None = None
-            mine: set[int] = set()
             try:
                 result = child.get_transfer_results(finished_req_ids)
             except Exception as exc:
                 self.signals.fail_loads_of(i)
                 self.guard.child_error(i, "get_transfer_results", exc)
-            try:
-                mine = set(child.get_block_ids_with_load_errors() or ())
-            except Exception as exc:
-                reporting: set[str] = set()
-                if result is not None:
-                    reporting = result.finished_recving | result.failed_recving
-                    result.failed_recving = set(reporting)
-                self.signals.fail_loads_of(i, reporting)
-                self.guard.child_error(i, "get_block_ids_with_load_errors", exc)
             results.append(result)
-            errors.append(mine)
+            errors.append(self._load_errors_of(i, result))
         combined = self.signals.combine(results)
-        # As when vLLM asks for the errors after the results: a parked stitch's segment
-        # claims its own bad blocks (hidden from vLLM, recovered by the scheduler half).
-        self._load_errors = set().union(
-            *(self.signals.claim_segment_errors(i, mine) for i, mine in enumerate(errors) if mine)
-        )
+        # claimed as when vLLM asks for the errors after the results: a parked stitch's
+        # segment whose round ended this step still claims its own bad blocks
+        self._load_errors = self._claim(errors)
         return combined
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -364,21 +413,30 @@ class CompositeWorker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, None
         if errors is None:  # not asked with the transfer results this step
-            errors = self._take_load_errors()
+            errors = self._claim([self._load_errors_of(i) for i in range(len(self.children))])
         return errors | self.signals.take_failed_blocks()
 
-    def _take_load_errors(self) -> set[int]:
-        errors: set[int] = set()
-        for i, child in enumerate(self.children.connectors):
-            try:
-                mine = child.get_block_ids_with_load_errors()
-                if mine:
-                    mine = self.signals.claim_segment_errors(i, mine)
-                errors |= mine
-            except Exception as exc:
-                self.signals.fail_loads_of(i)
-                self.guard.child_error(i, "get_block_ids_with_load_errors", exc)
-        return errors
+    def _load_errors_of(self, i: int, result: KVConnectorTransferResults | None = None) -> set[int]:
+        """Child ``i``'s bad block ids; if it raises instead, its loads fail, the receives it
+        reported this step (``result``) among them."""
+        try:
+            return set(self.children.connectors[i].get_block_ids_with_load_errors() or ())
+        except Exception as exc:
+            reporting: set[str] = set()
+            if result is not None:
+                reporting = result.finished_recving | result.failed_recving
+                result.failed_recving = set(reporting)
+            self.signals.fail_loads_of(i, reporting)
+            self.guard.child_error(i, "get_block_ids_with_load_errors", exc)
+            return set()
+
+    def _claim(self, errors: list[set[int]]) -> set[int]:
+        """What of the children's bad blocks goes up to vLLM (``WorkerSignals.claim_errors``)."""
+        claimed = set().union(
+            *(self.signals.claim_errors(i, mine) for i, mine in enumerate(errors) if mine)
+        )
+        self.signals.end_fences()
+        return claimed
 
     def get_kv_connector_kv_cache_events(self) -> ComposedKVEvents | None:
         events = [

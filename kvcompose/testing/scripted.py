@@ -11,8 +11,9 @@ The scheduler and worker instances of one child find their shared ``Script`` by 
 so the pair works wherever both run in one process (the scheduler harness, a single-process
 engine). Every call is recorded in ``Script.calls`` for assertions, and so is what the child
 reports (``("delay", req)`` when ``request_finished`` delays the free; on the worker side
-``("recv_report", req, failed)``, ``("send_report", req)``, ``("invalid_report", block ids)``,
-and ``("invalid_lost", block ids, requests)`` when it raised while reporting them), plus
+``("recv_report", req, failed)``, ``("send_report", req)``, ``("invalid_report", block ids,
+(req,))`` per request with bad blocks, and ``("invalid_lost", block ids, (req,))`` when it
+raised while reporting them), plus
 ``("hit", req, n)`` for each numeric lookup answer and ``("stored", req, n, prompt
 tokens)`` when a ``stores`` behaviour stored ``n`` tokens of a prompt.
 
@@ -203,8 +204,7 @@ class ScriptedConnector(KVConnectorBase_V1):
         # worker side
         self._recv_timers: dict[str, tuple[int, _Load]] = {}
         self._send_timers: dict[str, int] = {}
-        self._invalid: set[int] = set()
-        self._invalid_of: set[str] = set()  # requests whose bad blocks are pending
+        self._invalid: dict[str, set[int]] = {}  # request -> its bad blocks, pending
         self._rogue: set[str] = set()
         self._worker_raised: set[tuple[str, str]] = set()
 
@@ -340,8 +340,7 @@ class ScriptedConnector(KVConnectorBase_V1):
             if load.is_async:
                 self._recv_timers[req_id] = (load.steps, load)
             elif load.outcome != "ok":
-                self._invalid.update(load.bad_blocks())
-                self._invalid_of.add(req_id)
+                self._invalid.setdefault(req_id, set()).update(load.bad_blocks())
         self._send_timers.update(connector_metadata.sends)
         if any(self.script.behaviour(r).break_rogue_recv for r in connector_metadata.allocated):
             self._rogue.update(connector_metadata.allocated)
@@ -386,8 +385,7 @@ class ScriptedConnector(KVConnectorBase_V1):
             if load.outcome == "fail":
                 out.failed_recving.add(req_id)
             elif load.outcome == "invalid":
-                self._invalid.update(load.bad_blocks())
-                self._invalid_of.add(req_id)
+                self._invalid.setdefault(req_id, set()).update(load.bad_blocks())
             if load.duplicate:
                 self._rogue.add(req_id)
         for req_id, steps in list(self._send_timers.items()):
@@ -403,13 +401,14 @@ class ScriptedConnector(KVConnectorBase_V1):
         return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._invalid = self._invalid, set()
-        owners, self._invalid_of = self._invalid_of, set()
+        pending, self._invalid = self._invalid, {}
+        errors = set().union(*pending.values())
         try:
-            self._maybe_raise_once("get_block_ids_with_load_errors", owners)
+            self._maybe_raise_once("get_block_ids_with_load_errors", set(pending))
         except RuntimeError:
-            self.script.calls.append(("invalid_lost", tuple(sorted(errors)), tuple(sorted(owners))))
+            for req_id, bad in sorted(pending.items()):
+                self.script.calls.append(("invalid_lost", tuple(sorted(bad)), (req_id,)))
             raise
-        if errors:
-            self.script.calls.append(("invalid_report", tuple(sorted(errors))))
+        for req_id, bad in sorted(pending.items()):
+            self.script.calls.append(("invalid_report", tuple(sorted(bad)), (req_id,)))
         return errors

@@ -58,15 +58,14 @@ __all__ = ["BLOCK", "KNOWN_BUGS", "SHAPES", "STATS", "KVComposeMachine", "machin
 #: Composite bugs found by this machine and not fixed yet (see the module docstring), each
 #: with a strict-xfail repro in test_regressions.py. ``KVCOMPOSE_RELIABILITY_STEER=0`` turns
 #: the steering off (to check a fix with the machine before removing the entry).
-KNOWN_BUGS: frozenset[str] = frozenset(
-    {"late-bad-blocks-after-a-worker-raise", "async-scheduling-sync-load-failure-stuck"}
-)
+KNOWN_BUGS: frozenset[str] = frozenset({"async-scheduling-sync-load-failure-stuck"})
 #: "async-scheduling-sync-load-failure-stuck" has no strict repro of its own yet: under async
 #: scheduling, a running request cut back by invalid blocks of a sync load (in an example
 #: with loading raises too) stays running with ``num_output_placeholders`` stuck at 1
 #: (vLLM skips that batch's output for it, ``scheduler.py`` ~L2088, and nothing releases the
-#: placeholder). Possibly the same missing fence as "late-bad-blocks-after-a-worker-raise" (whose
-#: repro shows that hang under async scheduling), reached through a sync load; a plain
+#: placeholder). It looked like "late-bad-blocks-after-a-worker-raise" (a late report of a
+#: load failed for a raise, now fenced in the worker half) reached through a sync load, but
+#: the fence has not been shown to cure it. A plain
 #: single-connector run of a failing sync load finishes. Found by the ``fanout`` shape.
 #: Steered: no failing sync load and no loading raise under async scheduling.
 
@@ -107,10 +106,10 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
         self.worker_raisers: set[str] = set()  # leaves whose worker-side raise was contained
         # request -> bad blocks its async loader raised while naming (lost with the raise)
         self.lost_bad: dict[str, set[int]] = {}
+        # (leaf, request): loads the node failed for the leaf's raise; their late reports
+        # are fenced
+        self.fenced: set[tuple[str, str]] = set()
         self.last_hit: dict[tuple[str, str], int] = {}  # (leaf, req) -> its last answer
-        # steering around "late-bad-blocks-after-a-worker-raise" (see avoid_known_bugs)
-        self.loading_raise_leaves: set[str] = set()
-        self.async_invalid_leaves: set[str] = set()
         self.async_scheduling = False
 
     # ------------------------------------------------------------------ set-up
@@ -217,20 +216,6 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
             for b in drawn.values():
                 if b.is_async and b.load == "invalid":
                     b.failed_loads = 1  # a transient failure: the re-lookup's load succeeds
-        if "late-bad-blocks-after-a-worker-raise" in KNOWN_BUGS:
-            # never both on one leaf in one example: a raise while loading, and an async
-            # load whose bad blocks the leaf would report after the composite failed it
-            for name, b in drawn.items():
-                loading_raises = b.raise_in & FAILS_LOADS
-                async_invalid = b.is_async and b.load == "invalid"
-                if loading_raises and (name in self.async_invalid_leaves or async_invalid):
-                    b.raise_in = b.raise_in - loading_raises
-                elif b.is_async and b.load == "invalid" and name in self.loading_raise_leaves:
-                    b.load = "fail"
-                if b.raise_in & FAILS_LOADS:
-                    self.loading_raise_leaves.add(name)
-                if b.is_async and b.load == "invalid":
-                    self.async_invalid_leaves.add(name)
         if "async-scheduling-sync-load-failure-stuck" in KNOWN_BUGS and self.async_scheduling:
             for b in drawn.values():
                 if not b.is_async and b.load != "ok":

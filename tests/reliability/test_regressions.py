@@ -212,15 +212,6 @@ def test_a_raise_while_naming_bad_blocks_fails_the_load_reported_with_them(make)
     h.assert_clean()
 
 
-LATE_BAD_BLOCKS = (
-    "composite bug: after the worker half fails a child's loads because it raised, the "
-    "child's late reports for those loads are not fenced: its bad block ids still reach vLLM, "
-    "by then the blocks of whatever request holds them (under async scheduling the request "
-    "they cut back never finishes: vLLM skips its output without releasing its placeholder)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=LATE_BAD_BLOCKS)
 def test_late_bad_blocks_of_a_load_failed_for_a_raise_do_not_reach_vllm(make):
     """Found as a liveness failure under async scheduling (chain-longest): a raises in
     get_transfer_results (for r2), so the composite fails a's loads in flight, r1's included
