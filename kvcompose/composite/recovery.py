@@ -46,6 +46,7 @@ class RecoveryHost(Protocol):
     allocs: Sequence[Callable[..., Any]]
     step_stitches: dict[str, StitchLoad]
     step_sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]]
+    step_invalid_blocks: list[int]
 
     def ask(self, child: int, request: Request, at: int) -> tuple[int | None, bool]: ...
 
@@ -83,17 +84,33 @@ def recover(sched: RecoveryHost, req_ids: list[str]) -> None:
             continue
         reloads, lost = _plan_reloads(sched, record)
         sched.ledger.recovered(record, reloads, lost)
-        block_ids = list(record.blocks.get_block_ids()[0])
-        lost_blocks = given_up(sched, record, req_id, block_ids)
-        sync = tuple((s.child, s.block_ids) for s in reloads if not s.is_async)
-        if sync:
-            sched.step_sync_segments[req_id] = sync
+        ship_round(sched, record, req_id, reloads, list(record.blocks.get_block_ids()[0]))
+
+
+def ship_round(
+    sched: RecoveryHost,
+    record: LoadRecord,
+    req_id: str,
+    segments: Sequence[Segment],
+    block_ids: list[int],
+) -> None:
+    """Put one round of a stitched load (its first, or a recovery's) into this step's
+    metadata: the sync segments, which the worker half checks this step, and while the load
+    is in flight its ``StitchLoad`` (the children awaited, each segment's blocks and what is
+    given up); a load already complete gives its lost blocks up as plain invalid blocks."""
+    sync = tuple((s.child, s.block_ids) for s in segments if not s.is_async)
+    if sync:
+        sched.step_sync_segments[req_id] = sync
+    lost = given_up(sched, record, req_id, block_ids)
+    if record.state is LoadState.LOADING:
         sched.step_stitches[req_id] = StitchLoad(
             record.awaiting,
-            {s.child: s.block_ids for s in reloads},
-            lost_blocks,
+            {s.child: s.block_ids for s in segments},
+            lost,
             record.lost_from is not None and not sched.block_level_failures,
         )
+    else:
+        sched.step_invalid_blocks.extend(lost)
 
 
 def _plan_reloads(

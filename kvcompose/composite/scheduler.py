@@ -321,7 +321,7 @@ class CompositeScheduler(SchedulerForwarding):
             self._choose_lookup()
         if self._outputs.recovering:  # receives held back for a recovery round
             self._recovery_round()
-        invalid_blocks = self.step_invalid_blocks if self._stitching else None
+        invalid_blocks = self.step_invalid_blocks
         children = tuple([c.build_connector_meta(scheduler_output) for c in self._connectors])
         metadata = CompositeMetadata(
             children,

@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcompose import tree as nodes
 from kvcompose.composite.ledger import LoadState
-from kvcompose.composite.metadata import StitchLoad
-from kvcompose.composite.recovery import RecoveryHost, given_up
+from kvcompose.composite.recovery import RecoveryHost, ship_round
 from kvcompose.composite.segments import Segment, block_view, place
 from kvcompose.tree.ranges import RangeSupport, known_range_support
 
@@ -62,7 +61,6 @@ class CompositeScheduler(RecoveryHost, Protocol):
     name: str
     debug: bool
     base_hit_sources: Callable[[Request, int], dict[Any, int]]
-    step_invalid_blocks: list[int]
 
 
 def child_range_supports(tree: nodes.Composite) -> tuple[RangeSupport, ...]:
@@ -226,21 +224,10 @@ def allocated(
         place(record.segments, block_ids, sched.block_size)
         tell_children(sched, record, request, blocks)
         active = [s for s in record.segments if s.active]
-        sync = tuple((s.child, s.block_ids) for s in active if not s.is_async)
-        if sync:
-            sched.step_sync_segments[req_id] = sync
-        lost = given_up(sched, record, req_id, block_ids)
         if record.state is LoadState.LOADING:
             record.request, record.blocks = request, blocks  # for a recovery
             record.awaiting = tuple(s.child for s in active if s.is_async)
-            sched.step_stitches[req_id] = StitchLoad(
-                record.awaiting,
-                {s.child: s.block_ids for s in active},
-                lost,
-                record.lost_from is not None and not sched.block_level_failures,
-            )
-        elif lost:
-            sched.step_invalid_blocks.extend(lost)
+        ship_round(sched, record, req_id, active, block_ids)
         return
     for i, alloc in enumerate(sched.allocs):  # a 0 grant, or the second pass
         try:
