@@ -7,7 +7,7 @@ sees the receives and failures of the loads it owns (one receive for all of a st
 children), the sends of the requests it delayed, its own worker metadata and KV events.
 
 vLLM reads the finished sets after this call (``Scheduler._update_from_kv_xfer_finished``), so
-the finish records' held signals (``kvcompose.composite.ledger.Finishes``) are taken out of
+the finish records' held signals (``kvcompose.composite.finishes.Finishes``) are taken out of
 them here: a request that finished while loading, with a delayed free, shows vLLM one
 ``finished_sending`` once both its receive and its send happened. The same way, the receive
 that ends a round of a stitched load with a failed segment is taken out (the request stays
@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from kvcompose.composite.ledger import Finishes, Ledger, LoadState, Signal
+from kvcompose.composite.finishes import Finishes, Signal
+from kvcompose.composite.ledger import Ledger, LoadState
 from kvcompose.composite.metadata import ComposedKVEvents, ComposedWorkerMeta
 
 if TYPE_CHECKING:

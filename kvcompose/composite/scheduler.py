@@ -25,8 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvcompose import tree as nodes
 from kvcompose.composite import lookup, recovery, stitch
 from kvcompose.composite.children import Children
+from kvcompose.composite.finishes import Finishes
 from kvcompose.composite.forwarding import SchedulerForwarding
-from kvcompose.composite.ledger import Finishes, Ledger, LoadState
+from kvcompose.composite.ledger import Ledger, LoadState
 from kvcompose.composite.metadata import CompositeMetadata, StitchLoad
 from kvcompose.composite.output_routing import OutputRouter
 from kvcompose.composite.policies import RouteLookup, policy_for

@@ -4,7 +4,7 @@ path of the diagram in the module docstring, in both orders. The scheduler-level
 
 from __future__ import annotations
 
-from kvcompose.composite.ledger import Finishes, FinishState, Signal
+from kvcompose.composite.finishes import Finishes, FinishState, Signal
 
 
 def test_nothing_expected_leaves_no_record() -> None:
