@@ -48,7 +48,8 @@ from kvcompose.composite.metadata import CompositeMetadata
 from kvcompose.composite.scheduler import CompositeScheduler
 from kvcompose.composite.stats import ComposedStats, NodeCounters, build_composed_prom_metrics
 from kvcompose.composite.transfer import child_transfer_dict
-from kvcompose.composite.worker import CompositeWorker, WorkerSignals
+from kvcompose.composite.worker import CompositeWorker
+from kvcompose.composite.worker_signals import WorkerSignals
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig

@@ -7,7 +7,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from kvcompose.composite.guard import Guard
 from kvcompose.composite.metadata import CompositeMetadata, StitchLoad
-from kvcompose.composite.worker import WorkerSignals
+from kvcompose.composite.worker_signals import WorkerSignals
 
 
 def results(recv=(), failed=()) -> KVConnectorTransferResults:
