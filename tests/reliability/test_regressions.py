@@ -16,6 +16,7 @@ import pytest
 from kv_machine import BLOCK
 
 from kvcompose.engine.harness import SchedulerHarness
+from kvcompose.engine.harness_results import HarnessStuck
 from kvcompose.testing.scripted import Behaviour, leaf, script
 from kvcompose.testing.trees import chain, kvcompose_config, prompt
 
@@ -286,6 +287,7 @@ def test_scripted_load_blocks_start_after_the_local_hit(make):
 # --------------------------------------------------- vLLM's own bug, no kvcompose involved
 @pytest.mark.xfail(
     strict=True,
+    raises=HarnessStuck,
     reason=(
         "vLLM bug (0.32 and 0.33): after a total async-load failure under recompute the request "
         "stays in Scheduler._inflight_prefills, so a second async load for it reserves its own "
