@@ -55,8 +55,18 @@ def counters(h) -> dict[str, int]:
 def several_groups(h) -> None:
     """Take the composite's decisions for a model with several KV cache groups (vLLM refuses
     invalid blocks there). The tiny model has one group, so vLLM's own handling of the
-    ``failed_recving`` the node then sends is the same as on such a model."""
+    ``failed_recving`` the node then sends is the same as on such a model. What the stand-in
+    cannot show vLLM refusing is checked here: no invalid block id goes up."""
     h.connector.scheduler_side.block_level_failures = False
+    worker = h.worker_connector
+    load_errors = worker.get_block_ids_with_load_errors
+
+    def no_invalid_blocks() -> set[int]:
+        errors = load_errors()
+        assert not errors, f"invalid blocks {sorted(errors)} on a model with several groups"
+        return errors
+
+    worker.get_block_ids_with_load_errors = no_invalid_blocks
 
 
 def failing_middle(c: Behaviour) -> tuple:
