@@ -1,37 +1,12 @@
-"""``policy: stitch`` on vLLM's real scheduler, with scripted children.
-
-A scripted child is told ``load_range: native`` (the table puts unknown connectors at
-``sole_owner``): it holds the prompt's first ``tokens`` tokens, answers what it holds after
-the lookup's argument, and loads the blocks from that argument on, as kvcompose's store and
-vLLM's OffloadingConnector do.
-"""
+"""``policy: stitch`` on vLLM's real scheduler, with scripted children (see ``stitch_helpers``)."""
 
 from __future__ import annotations
 
+from stitch_helpers import allocs, lookups_at, native, stitch_config
+from stitch_helpers import scheduled_per_step as scheduled
+
 from kvcompose.testing.scripted import Behaviour, leaf, script
-from kvcompose.testing.trees import chain, kvcompose_config, prompt
-
-BLOCK = 16
-
-
-def native(name: str, **fields):
-    return leaf(name, load_range="native", **fields)
-
-
-def stitch_config(*children, **fields):
-    return kvcompose_config(chain("root", *children, policy="stitch"), **fields)
-
-
-def allocs(s, req_id):
-    return [n for n, _ in s.allocations(req_id)]
-
-
-def lookups_at(s, req_id):
-    return [c[2] for c in s.calls if c[0] == "lookup" and c[1] == req_id]
-
-
-def scheduled(h, req_id) -> list[int]:
-    return [r.scheduler_output.num_scheduled_tokens.get(req_id, 0) for r in h.history]
+from kvcompose.testing.trees import prompt
 
 
 def test_two_sync_children_each_load_their_own_range(harness):

@@ -6,36 +6,21 @@ reloads is given up (vLLM keeps the prefix before it and recomputes the rest). v
 receive per request, after the last round. A segment that cannot be cut and straddles a
 smaller grant is dropped the same way instead of refusing the grant.
 
-Scripted children as in ``test_stitch.py``: each holds the prompt's first ``tokens`` tokens
+Scripted children as in ``stitch_helpers``: each holds the prompt's first ``tokens`` tokens
 and answers what it holds after the lookup's argument.
 """
 
 from __future__ import annotations
 
 import pytest
+from stitch_helpers import BLOCK, allocs, lookups_at, native
+from stitch_helpers import stitch_config as stitch
 
 from kvcompose.composite.ledger import LedgerError
 from kvcompose.testing.scripted import Behaviour, leaf, script
 from kvcompose.testing.trees import chain, kvcompose_config, prompt
 
-BLOCK = 16
 PROMPT = 100
-
-
-def native(name: str, **fields):
-    return leaf(name, load_range="native", **fields)
-
-
-def stitch(*children):
-    return kvcompose_config(chain("root", *children, policy="stitch"))
-
-
-def allocs(s, req_id):
-    return [n for n, _ in s.allocations(req_id)]
-
-
-def lookups_at(s, req_id):
-    return [c[2] for c in s.calls if c[0] == "lookup" and c[1] == req_id]
 
 
 def scheduled(h, req_id) -> int:
