@@ -105,6 +105,7 @@ class WorkerSignals:
             fences = self._fences.get(child)
             if fences:
                 for req_id, fenced in list(fences.items()):
+                    # an emptied fence stays: the failed load's late receive is still dropped
                     fences[req_id] = fenced.difference(blocks)
 
     def _fence(self, child: int, req_id: str, blocks: tuple[int, ...]) -> None:
@@ -265,4 +266,8 @@ class WorkerSignals:
             tables["sends_waiting"] = {k: sorted(v) for k, v in self._send_waiting.items()}
         if self._stitch_waits:
             tables["stitches_in_flight"] = {k: sorted(v) for k, v in self._stitch_waits.items()}
+        if self._fences:
+            tables["fenced_loads"] = {
+                child: sorted(fences) for child, fences in self._fences.items()
+            }
         return tables
