@@ -29,9 +29,12 @@ A child that raises while loading has its loads failed (``kvcompose.composite.wo
 its transfers may go on. Once vLLM has heard that a load failed, it frees the request's blocks
 (or cuts it back) and hands them to other requests, so the child's late reports for that load
 are *fenced*: its receive is dropped, and bad block ids it names inside the failed load's
-blocks are dropped too (they would name another request's blocks by then). A fence ends in the
-step the child reports that receive, or, block by block, when the scheduler side gives the same
-child a new load of those blocks.
+blocks are dropped too (they would name another request's blocks by then), also while another
+child owns the request's next load. A fence ends in the step the child reports its first receive
+for the request after the raise, or, block by block, when the scheduler side gives the same child
+a new load of those blocks. If the request's new load is the same child's, that receive goes up
+as the new load's: a child reports by request id, so the two cannot be told apart (a node
+excludes the failed child from the request's next lookup, so this is the rarer case).
 
 Tables empty themselves as signals go up; ``live()`` shows what is in flight.
 """
@@ -210,10 +213,13 @@ class WorkerSignals:
                         self._stitch_failed[req_id].add(child)
                     continue
                 owner = self._recv_owner.get(req_id)
-                if owner is None and req_id in self._fences.get(child, ()):
+                if req_id in self._fences.get(child, ()):
+                    # the fence ends with the child's first receive for the request after
+                    # its raise; it is the failed load's unless the child owns a new one
                     self._fences_ending.append((child, req_id))
-                    self._guard.fenced(child, f"receive of {req_id}'s failed load")
-                    continue
+                    if owner != child:
+                        self._guard.fenced(child, f"receive of {req_id}'s failed load")
+                        continue
                 if owner != child:
                     kind = "foreign_recv" if owner is not None else "unexpected_recv"
                     self._guard.violation(

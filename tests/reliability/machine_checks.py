@@ -36,9 +36,6 @@ FAILS_LOADS = frozenset(
         "get_block_ids_with_load_errors",
     }
 )
-#: Violations a contract-obeying child causes after a contained worker-side raise: the
-#: composite failed its loads in flight, so its own (late) receives for them are dropped.
-LATE_RECV_KINDS = ("unexpected_recv", "foreign_recv")
 SCHEDULER_RAISES = ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished")
 
 
@@ -477,11 +474,7 @@ class Checks:
         for side in (self.h.connector, self.h.worker_connector):
             for node in composites(side):
                 if clean:
-                    violations = {
-                        key: n
-                        for key, n in node.guard.violations.items()
-                        if not (key[0] in self.worker_raisers and key[1] in LATE_RECV_KINDS)
-                    }
+                    violations = dict(node.guard.violations)
                     check(
                         not violations,
                         f"node {node.name} ({node.role.name}): violations from "

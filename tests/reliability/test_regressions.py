@@ -243,6 +243,32 @@ def test_late_bad_blocks_of_a_load_failed_for_a_raise_do_not_reach_vllm(make):
     assert not late, f"bad blocks {sorted(late)} of a load already failed reached vLLM"
 
 
+def test_a_late_receive_of_a_failed_load_is_fenced_while_another_child_loads(make):
+    """Found by the nested shape (steering off) as a fence left at the end: a raises in
+    start_load_kv, so the composite fails its load of r1; the re-lookup gives r1 to b. a's
+    transfer goes on and reports r1 while b's load is in flight. That receive was counted as
+    a foreign_recv violation (a did nothing wrong) and a's fence was never lifted."""
+    a = script(
+        "rel.a",
+        Behaviour(),
+        r1=Behaviour(tokens=48, is_async=True, load_steps=3, raise_in=frozenset({"start_load_kv"})),
+    )
+    b = script("rel.b", Behaviour(), r1=Behaviour(tokens=32, is_async=True, load_steps=4))
+    h = make(
+        chain("root", leaf("a", "rel.a"), leaf("b", "rel.b")),
+        kv_load_failure_policy="recompute",
+        layer_calls=True,
+    )
+    h.add_request(prompt(80, seed=1), max_tokens=3, request_id="r1")
+    h.run_until_idle(max_steps=40)
+    assert a.recv_reports("r1") and b.recv_reports("r1"), "a's late report came during b's load"
+    assert [n for n, _ in b.allocations("r1") if n] == [32], "b owned the re-lookup's load"
+    node = h.worker_connector
+    assert not node.guard.violations
+    assert node.counters.totals.get("fenced.a") == 1
+    h.assert_clean()
+
+
 def test_an_on_error_fail_leaf_under_a_miss_node_reaches_vllm_with_a_note(make):
     """Found as: nested tree, slow1 (on_error: fail) raises in request_finished under the
     node slow (on_error: miss) under root. slow re-raised half way through its finish (slow2
