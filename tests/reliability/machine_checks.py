@@ -136,6 +136,8 @@ class Checks:
     lost_bad: dict[str, set[int]]
     fenced: set[tuple[str, str]]
     last_hit: dict[tuple[str, str], int]
+    cut_back_async: set[str]
+    async_scheduling: bool
 
     def do_step(self) -> Any:
         raise NotImplementedError
@@ -282,6 +284,8 @@ class Checks:
                 f"reach vLLM as invalid (invalid this step: {sorted(invalid)})",
             )
         self.fenced -= reported  # a fence ends with the late receive's step
+        if invalid and self.async_scheduling:
+            self.note_cut_back_running(invalid)
         # (3a) a request that finished while its async load was in flight, with a child
         # delaying the free, gets one terminal signal: the owner's receive is merged into the
         # finished_sending (vLLM would free on the first of two and assert on the second)
@@ -506,6 +510,37 @@ class Checks:
             self.h.abort(*(r.request_id for r in stale))
         return bool(stale)
 
+    def note_cut_back_running(self, invalid: set[int]) -> None:
+        """Running requests vLLM cut back for invalid blocks under async scheduling: the
+        ones its placeholder leak (below) can strand."""
+        manager = self.h.scheduler.kv_cache_manager
+        for req in self.h.scheduler.running:
+            if invalid.intersection(manager.get_block_ids(req.request_id)[0]):
+                self.cut_back_async.add(req.request_id)
+
+    def abort_leaked_placeholders(self) -> bool:
+        """vLLM's own liveness bug under async scheduling (0.32 and 0.33; see
+        test_regressions.py): a running request cut back by a sync load's invalid blocks
+        keeps the output placeholder of the batch whose output vLLM skipped for it, and once
+        it has no batch in flight it is never scheduled again. Such requests (cut back while
+        running, a placeholder but no batch in flight) are aborted and counted, so the
+        machine keeps checking kvcompose under async scheduling; returns whether any was."""
+        if not self.async_scheduling:
+            return False
+        in_flight = {r for so, _ in self.h.in_flight for r in so.num_scheduled_tokens}
+        stuck = [
+            rid
+            for rid in sorted(self.cut_back_async)
+            if (req := self.h.scheduler.requests.get(rid)) is not None
+            and req.status.name == "RUNNING"
+            and req.num_output_placeholders > 0
+            and rid not in in_flight
+        ]
+        if stuck:
+            STATS["vllm_bug.leaked_placeholder_aborted"] += len(stuck)
+            self.h.abort(*stuck)
+        return bool(stuck)
+
     def drain_budget(self) -> int:
         unfinished = sum(1 for r in self.h.requests.values() if not r.is_finished())
         return DRAIN_BASE + DRAIN_PER_REQUEST * unfinished
@@ -532,7 +567,9 @@ class Checks:
             # lookups, loads and sends take at most 4): if vLLM's stale in-flight prefill
             # holds the queue (FCFS: it blocks every request behind it), abort it and give
             # the rest a fresh budget.
-            if idle >= IDLE_STEPS and self.abort_stale_inflight_prefills():
+            if idle >= IDLE_STEPS and (
+                self.abort_stale_inflight_prefills() | self.abort_leaked_placeholders()
+            ):
                 idle = 0
                 limit = drained + self.drain_budget()
         STATS["drain_steps"] += drained
