@@ -124,10 +124,7 @@ def _plan_reloads(
     block_level = sched.block_level_failures
     reloads: list[Segment] = []
     used: set[int] = set()
-    for segment in record.segments:
-        if segment.state is not SegmentState.FAILED:
-            continue
-        start, end = segment.start, segment.end
+    for start, end in _failed_ranges(record.segments):
         if lost is not None and start >= lost:
             continue  # recomputed anyway
         found = _find_reload(sched, record, start, end, used)
@@ -149,6 +146,20 @@ def _plan_reloads(
             break
         told.append(r)
     return tuple(told), lost
+
+
+def _failed_ranges(segments: Sequence[Segment]) -> list[tuple[int, int]]:
+    """The failed segments' ranges in token order, adjacent ones joined: one child can then
+    reload what two neighbours lost (it reloads one range a round)."""
+    ranges: list[tuple[int, int]] = []
+    for seg in sorted(
+        (s for s in segments if s.state is SegmentState.FAILED), key=lambda s: s.start
+    ):
+        if ranges and ranges[-1][1] == seg.start:
+            ranges[-1] = (ranges[-1][0], seg.end)
+        else:
+            ranges.append((seg.start, seg.end))
+    return ranges
 
 
 def _find_reload(

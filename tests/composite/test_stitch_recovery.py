@@ -130,6 +130,22 @@ def test_several_groups_take_no_partial_reload_and_look_the_request_up_again(har
     h.assert_clean()
 
 
+def test_adjacent_failed_segments_are_reloaded_as_one_gap(harness):
+    """a [0, 32) and b [32, 80) both fail: their ranges join into one gap, which c (one
+    range a round) reloads whole, instead of [0, 32) with [32, 80) given up."""
+    script("a", Behaviour(tokens=32, is_async=True, load="fail"))
+    script("b", Behaviour(tokens=80, is_async=True, load="fail"))
+    c = script("c", Behaviour(tokens=80, is_async=True))
+    h = harness(stitch(native("a"), native("b"), native("c")), kv_load_failure_policy="recompute")
+    rid = h.add_request(prompt(PROMPT), max_tokens=2).request_id
+    h.run_until_idle()
+    assert lookups_at(c, rid) == [80, 0] and allocs(c, rid)[:2] == [0, 80]
+    assert scheduled(h, rid) == PROMPT - 80 + 1, "nothing recomputed"
+    assert receives(h, rid) == 1
+    assert counters(h)["reloaded_tokens.c"] == 80
+    h.assert_clean()
+
+
 def test_a_failed_reload_goes_to_the_next_child(harness):
     _, _, c = failing_middle(Behaviour(tokens=80, is_async=True, load="fail"))
     d = script("d", Behaviour(tokens=80))  # sync: the worker ends its round itself
