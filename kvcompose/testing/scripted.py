@@ -51,6 +51,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kvcompose.engine.harness_worker import WORKER_RANK
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -99,6 +101,9 @@ class Behaviour:
     # aborted request and the prompt otherwise (``_build_store_jobs`` L1586-1596,
     # ``_calc_num_offloadable_tokens`` L663-672 with ``offload_prompt_only``).
     stores: bool = False
+    # Tensor parallelism (``SchedulerHarness(num_workers=N)``): the load's failure (``fail``,
+    # ``invalid``) happens on these worker ranks only, the others load fine. None: every rank.
+    fails_on_ranks: frozenset[int] | None = None
 
 
 @dataclass
@@ -207,6 +212,7 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._invalid: dict[str, set[int]] = {}  # request -> its bad blocks, pending
         self._rogue: set[str] = set()
         self._worker_raised: set[tuple[str, str]] = set()
+        self._rank = WORKER_RANK.get() if role == KVConnectorRole.WORKER else 0
 
     def _maybe_raise(self, method: str, req_id: str) -> None:
         if method in self.script.behaviour(req_id).raise_in:
@@ -339,7 +345,7 @@ class ScriptedConnector(KVConnectorBase_V1):
         for req_id, load in connector_metadata.loads.items():
             if load.is_async:
                 self._recv_timers[req_id] = (load.steps, load)
-            elif load.outcome != "ok":
+            elif self._outcome(req_id, load) != "ok":
                 self._invalid.setdefault(req_id, set()).update(load.bad_blocks())
         self._send_timers.update(connector_metadata.sends)
         if any(self.script.behaviour(r).break_rogue_recv for r in connector_metadata.allocated):
@@ -352,6 +358,11 @@ class ScriptedConnector(KVConnectorBase_V1):
         if loads_only:
             return set(metadata.loads)
         return set(metadata.loads) | set(metadata.allocated) | set(metadata.sends)
+
+    def _outcome(self, req_id: str, load: _Load) -> LoadOutcome:
+        """How the load goes on this worker's rank (``Behaviour.fails_on_ranks``)."""
+        ranks = self.script.behaviour(req_id).fails_on_ranks
+        return load.outcome if ranks is None or self._rank in ranks else "ok"
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._maybe_raise_once("start_load_kv", self._step_requests(loads_only=True))
@@ -382,9 +393,10 @@ class ScriptedConnector(KVConnectorBase_V1):
                 continue
             del self._recv_timers[req_id]
             out.finished_recving.add(req_id)
-            if load.outcome == "fail":
+            outcome = self._outcome(req_id, load)
+            if outcome == "fail":
                 out.failed_recving.add(req_id)
-            elif load.outcome == "invalid":
+            elif outcome == "invalid":
                 self._invalid.setdefault(req_id, set()).update(load.bad_blocks())
             if load.duplicate:
                 self._rogue.add(req_id)
