@@ -115,3 +115,28 @@ def test_engine_process_reports_progress_logs_and_errors(tiny_model, tmp_path):
         assert proc.call(_core_class) == "EngineCore"  # the engine still serves
     text = log.read_text()
     assert "a line from the engine process" in text and "boom from the engine" in text
+
+
+def _named_semaphores(llm) -> int:
+    """Named semaphores this process made and would unlink at a normal exit."""
+    from multiprocessing import synchronize, util
+
+    cleanup = synchronize.SemLock._cleanup
+    return sum(
+        getattr(f, "_callback", None) is cleanup for f in list(util._finalizer_registry.values())
+    )
+
+
+def test_an_engine_ended_at_once_leaves_no_named_semaphore(tiny_model):
+    """The bench ends its engines with SIGTERM (``close(graceful=False)``), which skips a
+    child's exit handlers. tqdm's multiprocessing lock for the weight-loading bar was such a
+    named semaphore: never unlinked, one per engine, which the resource tracker reported as
+    "leaked semaphore objects" when the bench exited."""
+    from kvcompose.engine.process import EngineProcess
+
+    proc = EngineProcess(tiny_model, preloaded=True, llm_kwargs={"max_model_len": 256})
+    try:
+        assert proc.generate([[5, 6, 7, 8]], 2)[0][0]
+        assert proc.call(_named_semaphores) == 0
+    finally:
+        proc.close(graceful=False)

@@ -249,6 +249,7 @@ def _engine_main(
 
         engine_env()  # before vLLM/torch are imported in this process
         _vllm_log_level()
+        _thread_lock_for_progress_bars()
         from kvcompose.engine.llm import cleanup, make_llm
 
         llm_kwargs.setdefault("disable_log_stats", False)
@@ -264,6 +265,19 @@ def _engine_main(
     finally:
         with contextlib.suppress(Exception):
             conn.close()
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """tqdm makes a multiprocessing lock (a named semaphore) for the first progress bar (the
+    engine's weight loading); a child ended by SIGTERM (``close(graceful=False)``) cannot
+    unlink it, and the parent's resource tracker then warns of leaked semaphores at exit.
+    Only this process writes its bars: a thread lock is enough."""
+    with contextlib.suppress(ImportError):
+        import threading
+
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())
 
 
 def _vllm_log_level() -> None:
