@@ -32,6 +32,7 @@ from kvcompose.composite.metadata import CompositeMetadata, StitchLoad
 from kvcompose.composite.output_routing import OutputRouter
 from kvcompose.composite.policies import RouteLookup, policy_for
 from kvcompose.composite.stats import NodeCounters
+from kvcompose.composite.transfer_params import merge_params
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -410,7 +411,7 @@ class CompositeScheduler(SchedulerForwarding):
             if params:
                 if producer is None:
                     producer = {}
-                merged = self._merge_params(merged, params, producer, i, req_id)
+                merged = merge_params(merged, params, producer, i, req_id, self.guard)
         # aborted while loading: the loaders' receive still comes (one, for a stitch; a
         # stitch recovering from a failed segment gets it in its next round)
         loaders = None
@@ -429,29 +430,6 @@ class CompositeScheduler(SchedulerForwarding):
         if loaders is not None:
             self.finishes.finished(req_id, loaders, ())
         return False, merged
-
-    def _merge_params(
-        self,
-        merged: dict[str, Any] | None,
-        params: dict[str, Any],
-        producer: dict[str, int],
-        child: int,
-        req_id: str,
-    ) -> dict[str, Any]:
-        merged = {} if merged is None else merged
-        for key, value in params.items():
-            if key in producer and merged[key] != value:
-                other = self.children.names[producer[key]]
-                self.guard.violation(
-                    child,
-                    "params_clash",
-                    f"kv_transfer_params key {key!r} for {req_id} also set "
-                    f"by {other!r}; keeping {other!r}'s value",
-                )
-                continue
-            producer.setdefault(key, child)
-            merged.setdefault(key, value)
-        return merged
 
     # ------------------------------------------------------ the other members
     def on_new_request(self, request: Request) -> None:
