@@ -153,6 +153,17 @@ def script(name: str, default: Behaviour | None = None, **per_request: Behaviour
     return SCRIPTS[name]
 
 
+def direct(script_name: str) -> dict[str, Any]:
+    """The ``kv_transfer_config`` of a scripted connector that vLLM loads itself, with no
+    kvcompose node (what a test compares kvcompose against, or vLLM alone)."""
+    return {
+        "kv_connector": "ScriptedConnector",
+        "kv_role": "kv_both",
+        "kv_connector_module_path": "kvcompose.testing.scripted",
+        "kv_connector_extra_config": {"script": script_name},
+    }
+
+
 def leaf(name: str, script_name: str | None = None, **fields: Any) -> dict[str, Any]:
     """The canonical dict of a leaf node running the script ``script_name`` (default: name)."""
     return {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvcompose.composite.guard import ContractViolation
-from kvcompose.testing.scripted import Behaviour, leaf, script
+from kvcompose.testing.scripted import Behaviour, direct, leaf, script
 from kvcompose.testing.trees import chain, kvcompose_config, multiconnector_config, prompt
 
 BLOCK = 16
@@ -126,14 +126,7 @@ def test_zero_async_raises_in_strict_mode(harness):
 def test_zero_async_crashes_the_scheduler_without_a_guard(harness):
     """The naive behaviour: hand the child's (0, True) straight to vLLM's scheduler."""
     script("a", Behaviour(break_zero_async=True))
-    h = harness(
-        {
-            "kv_connector": "ScriptedConnector",
-            "kv_role": "kv_both",
-            "kv_connector_module_path": "kvcompose.testing.scripted",
-            "kv_connector_extra_config": {"script": "a"},
-        }
-    )
+    h = harness(direct("a"))
     h.add_request(prompt(40))
     with pytest.raises(AssertionError):
         h.step()

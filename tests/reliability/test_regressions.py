@@ -17,7 +17,7 @@ from kv_machine import BLOCK
 
 from kvcompose.engine.harness import SchedulerHarness
 from kvcompose.engine.harness_results import HarnessStuck
-from kvcompose.testing.scripted import Behaviour, leaf, script
+from kvcompose.testing.scripted import Behaviour, direct, leaf, script
 from kvcompose.testing.trees import chain, kvcompose_config, prompt
 
 
@@ -327,12 +327,7 @@ def test_vllm_readmits_a_request_after_its_async_load_failed(tiny_model):
     s = script("rel.only", Behaviour(tokens=67, is_async=True, load="fail", failed_loads=1))
     h = SchedulerHarness(
         tiny_model,
-        {
-            "kv_connector": "ScriptedConnector",
-            "kv_role": "kv_both",
-            "kv_connector_module_path": "kvcompose.testing.scripted",
-            "kv_connector_extra_config": {"script": "rel.only"},
-        },
+        direct("rel.only"),
         block_size=BLOCK,
         num_blocks=10,
         max_model_len=128,
@@ -374,12 +369,7 @@ def test_vllm_async_scheduling_leaks_a_placeholder_after_sync_invalid_blocks(tin
     script("rel.only", Behaviour(), A=Behaviour(tokens=8, load="invalid"))
     h = AsyncSchedulerHarness(
         tiny_model,
-        {
-            "kv_connector": "ScriptedConnector",
-            "kv_role": "kv_both",
-            "kv_connector_module_path": "kvcompose.testing.scripted",
-            "kv_connector_extra_config": {"script": "rel.only"},
-        },
+        direct("rel.only"),
         block_size=BLOCK,
         num_blocks=8,
         max_num_batched_tokens=64,
