@@ -213,7 +213,7 @@ class WorkerSignals:
                         self._stitch_failed[req_id].add(child)
                     continue
                 owner = self._recv_owner.get(req_id)
-                if req_id in self._fences.get(child, ()):
+                if self._fences and req_id in self._fences.get(child, ()):
                     # the fence ends with the child's first receive for the request after
                     # its raise; it is the failed load's unless the child owns a new one
                     self._fences_ending.append((child, req_id))

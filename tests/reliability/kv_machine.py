@@ -19,14 +19,13 @@ both deterministic), the block pool, ``max_num_seqs`` and the token budget.
 Invariants are checked after every rule (``check_step`` after each engine step), and at the
 end, after every request has run to completion (``teardown``): see ``KVComposeMachine``.
 
-``KNOWN_BUGS`` lists composite bugs this machine found that are not fixed yet; the generator
-steers around each (see ``Gen``), and each has a strict-xfail repro in
-``test_regressions.py``. Remove the entry when the bug is fixed.
+``KNOWN_BUGS`` lists composite bugs this machine found that are not fixed yet (none now); each
+gets a strict-xfail repro in ``test_regressions.py`` and a steer where the behaviours are
+drawn (``add_request``) or aborts chosen, that keeps the machine off it until it is fixed.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections import Counter, defaultdict
@@ -56,8 +55,7 @@ __all__ = ["BLOCK", "KNOWN_BUGS", "SHAPES", "STATS", "KVComposeMachine", "machin
 
 
 #: Composite bugs found by this machine and not fixed yet (see the module docstring), each
-#: with a strict-xfail repro in test_regressions.py. ``KVCOMPOSE_RELIABILITY_STEER=0`` turns
-#: the steering off (to check a fix with the machine before removing the entry).
+#: with a strict-xfail repro in test_regressions.py.
 KNOWN_BUGS: frozenset[str] = frozenset()
 #: The former "async-scheduling-sync-load-failure-stuck" is vLLM's own (a plain connector
 #: shows it: test_vllm_async_scheduling_leaks_a_placeholder_after_sync_invalid_blocks);
@@ -183,7 +181,6 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
             name: data.draw(behaviours(name, self.gen, rank), label=name)
             for rank, name in enumerate(self.shape.leaves)
         }
-        drawn = self.avoid_known_bugs(drawn)
         self.behaviour[rid] = drawn
         if any(is_breaker(b) for b in drawn.values()):
             self.breaking.add(rid)
@@ -202,11 +199,6 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
             request_id=rid,
         )
         STATS["requests"] += 1
-
-    def avoid_known_bugs(self, drawn: dict[str, Behaviour]) -> dict[str, Behaviour]:
-        """Steer the drawn behaviours around ``KNOWN_BUGS`` while ``steering()`` (none open:
-        an entry gets a branch here, e.g. no two faults on one leaf that trigger it)."""
-        return drawn
 
     @rule(n=st.integers(1, 4))
     def step(self, n: int) -> None:
@@ -240,18 +232,11 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
             STATS[f"abort_offered.{offered}"] += 1
         phase = data.draw(st.sampled_from(sorted(by_phase)), label="abort_phase")
         rid = data.draw(st.sampled_from(by_phase[phase]), label="abort")
-        if not self.abort_allowed(rid, phase):
-            STATS[f"abort_steered.{phase}"] += 1
-            return
         STATS[f"abort.{phase}"] += 1
         self.harness_call(self.h.abort, rid)
         if not self.dead:
             self.scan()
             self.check_requests()
-
-    def abort_allowed(self, rid: str, phase: str) -> bool:
-        """Steer aborts around ``KNOWN_BUGS`` (none open), as ``avoid_known_bugs`` draws."""
-        return True
 
     @precondition(lambda self: self.h is not None and bool(self.h.scheduler.running))
     @rule(data=st.data())
@@ -341,8 +326,3 @@ def machine_for(shape_name: str, model_dir: Path) -> type[KVComposeMachine]:
         (KVComposeMachine,),
         {"shape": SHAPES[shape_name], "model_dir": model_dir},
     )
-
-
-def steering() -> bool:
-    """Whether the generator steers around ``KNOWN_BUGS`` (``KVCOMPOSE_RELIABILITY_STEER``)."""
-    return os.environ.get("KVCOMPOSE_RELIABILITY_STEER", "1") != "0"
