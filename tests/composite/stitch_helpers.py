@@ -37,3 +37,13 @@ def lookups_at(s: Any, req_id: str) -> list[int]:
 def scheduled_per_step(h: Any, req_id: str) -> list[int]:
     """Tokens vLLM scheduled for the request, step by step."""
     return [r.scheduler_output.num_scheduled_tokens.get(req_id, 0) for r in h.history]
+
+
+def scheduled(h: Any, req_id: str) -> int:
+    """Tokens vLLM computed for the request, over every step."""
+    return sum(scheduled_per_step(h, req_id))
+
+
+def receives(h: Any, req_id: str) -> int:
+    """Steps whose output showed vLLM a finished_recving for the request."""
+    return sum(req_id in (r.kv_connector_output.finished_recving or ()) for r in h.history)

@@ -13,7 +13,7 @@ and answers what it holds after the lookup's argument.
 from __future__ import annotations
 
 import pytest
-from stitch_helpers import BLOCK, allocs, lookups_at, native
+from stitch_helpers import BLOCK, allocs, lookups_at, native, receives, scheduled
 from stitch_helpers import stitch_config as stitch
 
 from kvcompose.composite.ledger import LedgerError
@@ -21,16 +21,6 @@ from kvcompose.testing.scripted import Behaviour, leaf, script
 from kvcompose.testing.trees import chain, kvcompose_config, prompt
 
 PROMPT = 100
-
-
-def scheduled(h, req_id) -> int:
-    """Tokens vLLM computed for the request, over every step."""
-    return sum(r.scheduler_output.num_scheduled_tokens.get(req_id, 0) for r in h.history)
-
-
-def receives(h, req_id) -> int:
-    """Steps whose output showed vLLM a finished_recving for the request."""
-    return sum(req_id in (r.kv_connector_output.finished_recving or ()) for r in h.history)
 
 
 def counters(h) -> dict[str, int]:

@@ -10,7 +10,7 @@ rank's half of the KV loaded fine, but the request must be treated as failed all
 
 from __future__ import annotations
 
-from stitch_helpers import BLOCK, allocs, lookups_at, native
+from stitch_helpers import BLOCK, allocs, lookups_at, native, receives, scheduled
 from stitch_helpers import stitch_config as stitch
 
 from kvcompose.testing.scripted import Behaviour, leaf, script
@@ -18,14 +18,6 @@ from kvcompose.testing.trees import chain, kvcompose_config, prompt
 
 PROMPT = 100
 RANK1 = frozenset({1})
-
-
-def scheduled(h, req_id) -> int:
-    return sum(r.scheduler_output.num_scheduled_tokens.get(req_id, 0) for r in h.history)
-
-
-def receives(h, req_id) -> int:
-    return sum(req_id in (r.kv_connector_output.finished_recving or ()) for r in h.history)
 
 
 def failed_receives(h, req_id) -> int:
