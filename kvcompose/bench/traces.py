@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvcompose.bench.flags import opt
+from kvcompose.bench.trace_rows import MooncakeRow, TokenRow, parse_row
 from kvcompose.bench.workloads import BenchRequest, Workload, WorkloadError, token_block
 
 
@@ -34,12 +35,12 @@ def load_trace(
     that store before the run. Lines in the Mooncake format (``hash_ids``, ``input_length``,
     ``timestamp`` in ms) switch to ``mooncake_workload``.
     """
-    rows = list(_read_jsonl(path))
-    if not rows:
+    lines = list(_read_jsonl(path))
+    if not lines:
         raise WorkloadError(f"{path}: empty trace")
-    if "hash_ids" in rows[0]:
+    if "hash_ids" in lines[0][1]:
         return mooncake_workload(
-            rows,
+            [parse_row(MooncakeRow, row, f"{path}:{n}") for n, row in lines],
             mooncake or MooncakeParams(),
             vocab_size=vocab_size,
             seed=seed,
@@ -49,33 +50,25 @@ def load_trace(
         )
     requests: list[BenchRequest] = []
     prefill: dict[str, list[list[int]]] = {}
-    for i, row in enumerate(rows):
-        ids = row.get("prompt_token_ids")
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+    for n, raw in lines:
+        row = parse_row(TokenRow, raw, f"{path}:{n}")
+        ids = row.prompt_token_ids
+        if max(ids) >= vocab_size:
             raise WorkloadError(
-                f"{path}:{i + 1}: prompt_token_ids must be a non-empty list of token ids"
+                f"{path}:{n}: token id outside the model's vocabulary (0..{vocab_size - 1})"
             )
-        if any(t < 0 or t >= vocab_size for t in ids):
-            raise WorkloadError(
-                f"{path}:{i + 1}: token id outside the model's vocabulary (0..{vocab_size - 1})"
-            )
-        store = row.get("prefill")
-        if store:
-            prefill.setdefault(str(store), []).append(list(ids))
+        if row.prefill is not None:
+            prefill.setdefault(row.prefill, []).append(list(ids))
             continue
         if limit is not None and len(requests) >= limit:
             continue
         requests.append(
             BenchRequest(
-                id=str(row.get("id", f"line{i + 1}")),
+                id=f"line{n}" if row.id is None else str(row.id),
                 prompt=list(ids),
-                arrival_s=float(row.get("arrival_s", 0.0)),
-                max_tokens=int(max_tokens or row.get("max_tokens", 16)),
-                tags={
-                    k: v
-                    for k, v in row.items()
-                    if k not in ("id", "arrival_s", "prompt_token_ids", "max_tokens")
-                },
+                arrival_s=row.arrival_s,
+                max_tokens=max_tokens or row.max_tokens,
+                tags=row.tags,
             )
         )
     if len({r.id for r in requests}) != len(requests):
@@ -106,7 +99,7 @@ class MooncakeParams:
 
 
 def mooncake_workload(
-    rows: Sequence[dict[str, Any]],
+    rows: Sequence[dict[str, Any] | MooncakeRow],
     p: MooncakeParams,
     *,
     vocab_size: int,
@@ -132,15 +125,18 @@ def mooncake_workload(
         return blocks[h]
 
     want = None if limit is None else limit + p.warm
-    chosen = list(rows[:want]) if want is not None else list(rows)
+    chosen = [
+        parse_row(MooncakeRow, row, f"{label}: row {i + 1}")
+        for i, row in enumerate(rows[:want] if want is not None else rows)
+    ]
     if not chosen:
         raise WorkloadError(f"{label}: no requests")
-    t0 = float(chosen[p.warm]["timestamp"]) if len(chosen) > p.warm else 0.0
+    t0 = chosen[p.warm].timestamp if len(chosen) > p.warm else 0.0
     requests: list[BenchRequest] = []
     prefill: dict[str, list[list[int]]] = {}
     for i, row in enumerate(chosen):
-        hash_ids = [int(h) for h in row["hash_ids"]]
-        n = max(1, round(int(row["input_length"]) * p.block_tokens / 512))
+        hash_ids = row.hash_ids
+        n = max(1, round(row.input_length * p.block_tokens / 512))
         n = min(n, p.max_prompt_len, len(hash_ids) * p.block_tokens)
         prompt = [t for h in hash_ids for t in block(h)][:n]
         if i < p.warm:
@@ -149,16 +145,14 @@ def mooncake_workload(
             if fast:
                 prefill.setdefault("fast", []).append(fast)
             continue
-        out = round(int(row.get("output_length", 1)) * p.output_scale)
+        out = round(row.output_length * p.output_scale)
         requests.append(
             BenchRequest(
                 id=f"mc{i}",
                 prompt=prompt,
-                arrival_s=round(
-                    max(0.0, (float(row["timestamp"]) - t0) / 1000.0 * p.time_scale), 4
-                ),
+                arrival_s=round(max(0.0, (row.timestamp - t0) / 1000.0 * p.time_scale), 4),
                 max_tokens=max(1, min(out, cap_tokens)),
-                tags={"hash_blocks": len(hash_ids), "input_length": int(row["input_length"])},
+                tags={"hash_blocks": len(hash_ids), "input_length": row.input_length},
             )
         )
     return Workload(
@@ -175,23 +169,27 @@ def mooncake_workload(
     )
 
 
-def _read_jsonl(path: str | os.PathLike[str]) -> Iterable[dict[str, Any]]:
+def _read_jsonl(path: str | os.PathLike[str]) -> Iterable[tuple[int, dict[str, Any]]]:
+    """The trace's objects with their line numbers (blank lines skipped)."""
     try:
-        fh = open(path, encoding="utf-8")  # noqa: SIM115
+        fh = open(path, "rb")  # noqa: SIM115 - bytes: a decoding error is told by its line
     except OSError as exc:
         raise WorkloadError(f"{path}: {exc.strerror or exc}") from None
     with fh:
-        for i, line in enumerate(fh):
-            line = line.strip()
-            if not line:
+        for n, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise WorkloadError(f"{path}:{n}: not UTF-8 text") from None
+            if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-            except ValueError as exc:
-                raise WorkloadError(f"{path}:{i + 1}: not JSON ({exc})") from None
+            except (ValueError, RecursionError) as exc:  # RecursionError: deep nesting
+                raise WorkloadError(f"{path}:{n}: not JSON ({exc})") from None
             if not isinstance(row, dict):
-                raise WorkloadError(f"{path}:{i + 1}: expected a JSON object per line")
-            yield row
+                raise WorkloadError(f"{path}:{n}: expected a JSON object per line")
+            yield n, row
 
 
 def write_trace(workload: Workload, path: str | os.PathLike[str]) -> None:

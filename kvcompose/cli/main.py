@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -24,6 +25,7 @@ COMMANDS: tuple[str, ...] = (
 OPTIONAL: frozenset[str] = frozenset({"bench"})
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_TERMINATED = 128 + signal.SIGTERM  # a shell's status for a process ended by SIGTERM
 
 
 def _quiet_vllm() -> None:
@@ -76,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         return int(args.func(args) or 0)
     except SystemExit as exc:  # from code the command ran (a connector module, a plugin)
+        if exc.code == EXIT_TERMINATED:  # the bench's SIGTERM handler: cleaned up, now stop
+            print("kvcompose: stopped by SIGTERM", file=sys.stderr)
+            return EXIT_TERMINATED
         if debug:
             raise
         print(

@@ -100,6 +100,38 @@ def test_trace_round_trip_and_errors(tmp_path: Path) -> None:
         load_trace(bad, vocab_size=VOCAB)
 
 
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ('{"prompt_token_ids": [1, 2], "arrival_s": "soon"}', r":1: arrival_s: Input should be"),
+        ('{"prompt_token_ids": [1, 2], "arrival_s": NaN}', r":1: arrival_s: .*finite"),
+        ('{"prompt_token_ids": [1, 2], "arrival_s": -1}', r":1: arrival_s: .*greater than"),
+        ('{"prompt_token_ids": [1, 2], "max_tokens": null}', r":1: max_tokens: "),
+        ('{"prompt_token_ids": [1, 2], "max_tokens": -4}', r":1: max_tokens: .*greater than"),
+        ('{"prompt_token_ids": [1, true]}', r":1: prompt_token_ids.1: "),
+        ('{"prompt_token_ids": [1, -2]}', r":1: prompt_token_ids.1: .*greater than"),
+        ('{"prompt_token_ids": []}', r":1: prompt_token_ids: .*at least 1"),
+        ('{"prompt_token_ids": [1], "prefill": 3}', r":1: prefill: "),
+        (
+            '\n\n{"prompt_token_ids": [1]}\n{"arrival_s": 1}',
+            r":4: prompt_token_ids: Field required",
+        ),
+        ('{"hash_ids": [1, 2], "input_length": 100}', r":1: timestamp: Field required"),
+        ('{"hash_ids": "abc", "input_length": 100, "timestamp": 0}', r":1: hash_ids: "),
+        ('{"hash_ids": [1], "input_length": "100", "timestamp": 0}', r":1: input_length: "),
+        ("[" * 100_000, r":1: not JSON"),
+        (b'{"prompt_token_ids": [1]}\n\xff\xfe', r":2: not UTF-8 text"),
+    ],
+)
+def test_a_bad_trace_line_is_refused_with_its_line_and_field(
+    tmp_path: Path, lines: str | bytes, message: str
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(lines if isinstance(lines, bytes) else lines.encode())
+    with pytest.raises(WorkloadError, match=message):
+        load_trace(bad, vocab_size=VOCAB)
+
+
 def test_mooncake_keeps_sharing_structure() -> None:
     rows = [
         {"timestamp": 0, "input_length": 1536, "output_length": 100, "hash_ids": [0, 1, 2]},

@@ -127,6 +127,19 @@ def test_internal_errors_are_one_line(run_cli, monkeypatch: pytest.MonkeyPatch) 
     )
 
 
+def test_a_command_stopped_by_sigterm_says_so(run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench turns SIGTERM into ``SystemExit(143)`` to clean up; that is no internal
+    error, and the status stays the shell's for SIGTERM."""
+    from kvcompose.cli import validate_cmd
+
+    def stopped(args: object) -> int:
+        raise SystemExit(143)
+
+    monkeypatch.setattr(validate_cmd, "run", stopped)
+    code, _, err = run_cli("validate", str(TIERS))
+    assert (code, err) == (143, "kvcompose: stopped by SIGTERM\n")
+
+
 def test_explain_offline(run_cli) -> None:
     code, out, err = run_cli("explain", "--offline", str(EXAMPLES / "route-by-params.yaml"))
     assert code == 0, err
