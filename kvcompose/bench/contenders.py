@@ -258,6 +258,14 @@ def write_builtin_contenders(
 
 
 _LABEL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_NOT_LABEL = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def safe_label(text: str) -> str:
+    """A label from a file name: what ``LABEL=`` accepts (it names directories and table
+    rows), other characters replaced by ``-``."""
+    label = _NOT_LABEL.sub("-", text).lstrip(".-")[:64]
+    return label or "contender"
 
 
 def parse_contender(arg: str) -> ContenderDef:
@@ -289,6 +297,8 @@ def parse_contender(arg: str) -> ContenderDef:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ContenderError(f"contender {arg!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ContenderError(f"contender {arg!r}: {path}: not UTF-8 text") from None
     fmt = "json" if path.suffix.lower() == ".json" else "yaml"
     kind = "kvcompose"
     if fmt == "json":
@@ -301,7 +311,7 @@ def parse_contender(arg: str) -> ContenderDef:
             if data.get("kv_connector") in ("KVCompose", "KVComposeHMA"):
                 kind = "kvcompose"
     return ContenderDef(
-        label=label or path.stem,
+        label=label or safe_label(path.stem),
         source=str(path),
         kind=kind,
         text=text,

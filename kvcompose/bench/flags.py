@@ -4,12 +4,17 @@ A field declared with ``opt(...)`` becomes a flag: ``--`` + prefix + the field n
 dashes (or the ``flags`` given), its type and default from the field, ``bool`` fields as
 ``--x/--no-x``, ``list[int]`` fields as comma-separated integers. ``build`` reads the parsed
 values back into the dataclass, so a new option is one field, not three edits.
+
+Numbers are checked as they are parsed, so a bad one is a usage error before any engine
+starts: every number is at least ``minimum`` (default 0; no count, length or time here is
+negative) and every float is finite (a NaN arrival gap would never arrive).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -25,9 +30,19 @@ def opt(
     group: str | None = None,
     metavar: str | None = None,
     cli: bool = True,
+    minimum: float = 0,
+    choices: tuple[str, ...] | None = None,
 ) -> Any:
     """A dataclass field with its command-line flag (``cli=False``: no flag)."""
-    meta = {"help": help, "flags": flags, "group": group, "metavar": metavar, "cli": cli}
+    meta = {
+        "help": help,
+        "flags": flags,
+        "group": group,
+        "metavar": metavar,
+        "cli": cli,
+        "minimum": minimum,
+        "choices": choices,
+    }
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -44,13 +59,40 @@ def _kind(tp: Any) -> tuple[type, bool]:
     return tp, False
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(s) for s in str(text).split(",") if s.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
+def number(base: type, minimum: float = 0) -> Callable[[str], Any]:
+    """An argparse ``type``: ``base`` (int or float), finite, at least ``minimum``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = base(text)
+        except ValueError:
+            kind = "an integer" if base is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+def int_list(minimum: float = 0) -> Callable[[str], list[int]]:
+    """An argparse ``type``: at least one comma-separated integer, each at least ``minimum``."""
+    one = number(int, minimum)
+
+    def parse(text: str) -> list[int]:
+        parts = [s for s in str(text).split(",") if s.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        try:
+            return [one(s) for s in parts]
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers of at least {minimum:g}, got {text!r}"
+            ) from exc
+
+    return parse
 
 
 def cli_fields(cls: type) -> list[dataclasses.Field[Any]]:
@@ -81,10 +123,13 @@ def add_flags(
             del kw["metavar"]
             kw["action"] = argparse.BooleanOptionalAction
         elif base is list:
-            kw["type"] = _int_list
+            kw["type"] = int_list(f.metadata["minimum"])
             kw["default"] = ",".join(str(x) for x in default)  # argparse parses it
+        elif base in (int, float):
+            kw["type"] = number(base, f.metadata["minimum"])
         else:
             kw["type"] = base
+            kw["choices"] = f.metadata["choices"]
         target.add_argument(*names, **kw)
 
 

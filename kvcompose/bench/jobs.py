@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.progress import Progress
 
 from kvcompose.bench import contenders as cmod
@@ -165,8 +166,8 @@ def prepare_stores(
         except (EngineError, TimeoutError) as exc:
             outcome.error, _ = _failure(exc, log_dir / "engine.log")
             run.log(
-                f"[red]preparing the stores failed:[/red] {outcome.error} "
-                f"(log: {log_dir / 'engine.log'}); contenders start with empty stores"
+                f"[red]preparing the stores failed:[/red] {escape(outcome.error or '')} "
+                f"(log: {escape(str(log_dir / 'engine.log'))}); contenders start with empty stores"
             )
             return {}
         from kvcompose.stores import store_usage

@@ -12,14 +12,17 @@ from kvcompose.bench.flags import opt
 from kvcompose.bench.traces import MooncakeParams
 from kvcompose.bench.workloads import ChatParams, DocQAParams, NoReuseParams
 
+#: ``vllm.LLM``'s dtype names.
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
 
 @dataclass
 class EngineOptions:
     """What every compared engine is started with (``vllm.LLM`` keywords)."""
 
-    max_model_len: int = opt(4096, "longest prompt plus output")
-    max_num_seqs: int = opt(8, "requests in one engine step")
-    max_num_batched_tokens: int = opt(2048, "tokens in one engine step")
+    max_model_len: int = opt(4096, "longest prompt plus output", minimum=1)
+    max_num_seqs: int = opt(8, "requests in one engine step", minimum=1)
+    max_num_batched_tokens: int = opt(2048, "tokens in one engine step", minimum=1)
     #: vLLM's own (local) prefix cache. Off by default: every reused token then comes from a
     #: tier, so contenders differ only in their connectors. On, it serves repeats within a run.
     enable_prefix_caching: bool = opt(
@@ -27,9 +30,9 @@ class EngineOptions:
         "vLLM's local prefix cache (default off: every reused token then comes from a tier)",
         flags=("--prefix-caching",),
     )
-    dtype: str = opt("float32", "model dtype")
+    dtype: str = opt("float32", "model dtype", choices=DTYPES)
     block_size: int | None = opt(
-        None, "KV cache block size (default: the platform's, 128 on CPU)"
+        None, "KV cache block size (default: the platform's, 128 on CPU)", minimum=1
     )  # None: the platform default
     extra: dict[str, Any] = field(default_factory=dict)  # any other vllm.LLM keyword
 
@@ -78,16 +81,20 @@ class BenchOptions:
         "rounds per seed: every contender runs once per round, the order rotated; ratios to "
         "recompute are taken within a round (default 3)",
         group="compare",
+        minimum=1,
     )
     chat: ChatParams = field(default_factory=ChatParams)
     docqa: DocQAParams = field(default_factory=DocQAParams)
     noreuse: NoReuseParams = field(default_factory=NoReuseParams)
     mooncake: MooncakeParams = field(default_factory=MooncakeParams)
     trace_limit: int | None = opt(
-        None, "traces: replay at most this many requests", group="workload"
+        None, "traces: replay at most this many requests", group="workload", minimum=1
     )
     max_tokens: int | None = opt(
-        None, "output tokens per request (default: the workload's, 16)", group="workload"
+        None,
+        "output tokens per request (default: the workload's, 16)",
+        group="workload",
+        minimum=1,
     )
     time_scale: float = opt(
         1.0, "multiply every arrival offset (0: all requests at once)", group="workload"
@@ -109,6 +116,7 @@ class BenchOptions:
         1800.0,
         "seconds before a contender's engine is given up (default 1800)",
         flags=("--contender-timeout", "--chain-timeout"),
+        minimum=1,
     )
     plots: bool = opt(True, "write the PNG plots")
     progress: bool = opt(True, "show progress")

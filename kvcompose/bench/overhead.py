@@ -53,18 +53,22 @@ class OverheadOptions:
     requests: list[int] = opt(  # noqa: RUF009 (opt makes a dataclass field)
         factory=lambda: [1000, 4000],
         help="concurrent requests (comma-separated; default 1000,4000)",
+        minimum=1,
     )
     children: list[int] = opt(  # noqa: RUF009 (opt makes a dataclass field)
-        factory=lambda: [2, 4], help="no-op children per composite (default 2,4)"
+        factory=lambda: [2, 4], help="no-op children per composite (default 2,4)", minimum=1
     )
     steps: int = opt(
         12,
         "measured decode steps per configuration and repeat (the run has "
         "steps + 2 engine steps in all)",
+        minimum=1,
     )
-    repeats: int = opt(5, "rounds (each runs every configuration, interleaved; default 5)")
-    prompt_len: int = opt(32, "tokens per prompt")
-    block_size: int = opt(16, "KV cache block size")
+    repeats: int = opt(
+        5, "rounds (each runs every configuration, interleaved; default 5)", minimum=1
+    )
+    prompt_len: int = opt(32, "tokens per prompt", minimum=1)
+    block_size: int = opt(16, "KV cache block size", minimum=1)
     model_dir: str | None = None  # default: the tiny test model (only its config is read)
 
 

@@ -133,7 +133,9 @@ def _speedup(c: ContenderResult) -> str:
 
 
 def tables(results: BenchResults) -> list[Any]:
-    """Rich tables: the comparison, and per-node counters."""
+    """Rich tables: the comparison, and per-node counters (labels and store names escaped:
+    a user's ``[/x]`` is text, not markup)."""
+    from rich.markup import escape
     from rich.table import Table
 
     meta, wl = results.meta, results.meta.workload
@@ -192,7 +194,7 @@ def tables(results: BenchResults) -> list[Any]:
         )
     for c in results.contenders:
         if not c.ran or c.latency is None or c.hits is None:
-            main.add_row(f"{c.label} [red](failed)[/red]", *["-"] * (11 + 2 * noise))
+            main.add_row(f"{escape(c.label)} [red](failed)[/red]", *["-"] * (11 + 2 * noise))
             continue
         lat, thr, hits = c.latency, c.throughput, c.hits
         agree = c.agreement.percent if c.agreement else None
@@ -201,7 +203,7 @@ def tables(results: BenchResults) -> list[Any]:
             if agree is None
             else (f"{agree:.0f}" if agree == 100 else f"[red]{agree:.1f}[/red]")
         )
-        label = c.label if c.status == "ok" else f"{c.label} ({c.status})"
+        label = escape(c.label if c.status == "ok" else f"{c.label} ({c.status})")
         main.add_row(
             label,
             *([" ".join(_ms(x) for x in c.ttft_p50_rounds)] if noise else []),
@@ -225,8 +227,8 @@ def tables(results: BenchResults) -> list[Any]:
         for store, s in hits.stores.items():
             h = node_hits.get(store)
             stores_table.add_row(
-                c.label,
-                store,
+                escape(c.label),
+                escape(store),
                 "-" if h is None else str(h[2]),
                 "-" if h is None else str(h[0]),
                 "-" if h is None else f"{h[1]:,}",

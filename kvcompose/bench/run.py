@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -207,7 +208,7 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
     )
 
     runnable = [c for c in contenders if c.resolved is not None]
-    con = console if console is not None else Console()
+    con = console if console is not None else Console(emoji=False)
     previous = _exit_on_sigterm()
     try:
         with Progress(
@@ -240,8 +241,8 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
                         prog.advance(overall)
                         if not res.ok:
                             session.log(
-                                f"[red]contender {c.label!r} failed:[/red] {res.error} "
-                                f"(log: {res.log})"
+                                f"[red]contender {escape(repr(c.label))} failed:[/red] "
+                                f"{escape(res.error or '')} (log: {escape(str(res.log))})"
                             )
     finally:
         if previous is not None:
@@ -299,4 +300,4 @@ def _exit_on_sigterm() -> Any:
 
 def _label_of(arg: str) -> str:
     head, sep, _ = arg.partition("=")
-    return head if sep and head else Path(arg).stem or "contender"
+    return cmod.safe_label(head if sep and head else Path(arg).stem)

@@ -85,8 +85,12 @@ def load_trace(
 
 @dataclass
 class MooncakeParams:
-    block_tokens: int = opt(128, "token ids per trace block (the trace's blocks are 512 tokens)")
-    max_prompt_len: int = opt(2048, "longer prompts are cut (their prefix, hence sharing, kept)")
+    block_tokens: int = opt(
+        128, "token ids per trace block (the trace's blocks are 512 tokens)", minimum=1
+    )
+    max_prompt_len: int = opt(
+        2048, "longer prompts are cut (their prefix, hence sharing, kept)", minimum=1
+    )
     output_scale: float = opt(0.05, "output_length multiplier (then clamped to 1..max tokens)")
     max_tokens: int = 16
     warm: int = opt(

@@ -137,13 +137,13 @@ def token_block(key: str | int, n: int, *, vocab_size: int, seed: int = 0) -> li
 
 @dataclass
 class ChatParams:
-    users: int = opt(5, "chat: users")
+    users: int = opt(5, "chat: users", minimum=1)
     new_users: int = opt(1, "chat: users with no history before the run")
-    rounds: int = opt(2, "chat: measured rounds per user")
+    rounds: int = opt(2, "chat: measured rounds per user", minimum=1)
     prior_rounds: int = opt(8, "chat: rounds each returning user had before the run")
     system_prompts: int = opt(2, "chat: shared system prompts")
     system_len: int = opt(512, "chat: tokens of a system prompt")
-    user_len: int = opt(64, "chat: tokens a user adds per round")
+    user_len: int = opt(64, "chat: tokens a user adds per round", minimum=1)
     answer_len: int = opt(64, "chat: tokens of the recorded answer per round")
     max_tokens: int = 16
     interval_s: float = 1.5  # mean gap between request arrivals
@@ -212,11 +212,11 @@ def chat_workload(p: ChatParams, *, vocab_size: int, seed: int = 0) -> Workload:
 
 @dataclass
 class DocQAParams:
-    docs: int = opt(3, "docqa: documents")
-    doc_len: int = opt(1536, "docqa: tokens of a document")
+    docs: int = opt(3, "docqa: documents", minimum=1)
+    doc_len: int = opt(1536, "docqa: tokens of a document", minimum=1)
     head_len: int = opt(512, "docqa: tokens of each document in the fast store")
-    questions: int = opt(8, "docqa: questions per document")
-    question_len: int = opt(64, "docqa: tokens of a question")
+    questions: int = opt(8, "docqa: questions per document", minimum=1)
+    question_len: int = opt(64, "docqa: tokens of a question", minimum=1)
     max_tokens: int = 16
     interval_s: float = 1.5
 
@@ -258,8 +258,8 @@ def docqa_workload(p: DocQAParams, *, vocab_size: int, seed: int = 0) -> Workloa
 
 @dataclass
 class NoReuseParams:
-    requests: int = opt(16, "noreuse: requests")
-    prompt_len: int = opt(1024, "noreuse: tokens of a prompt")
+    requests: int = opt(16, "noreuse: requests", minimum=1)
+    prompt_len: int = opt(1024, "noreuse: tokens of a prompt", minimum=1)
     max_tokens: int = 16
     interval_s: float = 1.0
 

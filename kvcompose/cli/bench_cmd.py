@@ -62,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvcompose.bench.flags import add_flags
+    from kvcompose.bench.flags import add_flags, number
     from kvcompose.bench.options import BenchOptions, EngineOptions
     from kvcompose.bench.overhead import OverheadOptions
     from kvcompose.bench.traces import MooncakeParams
@@ -115,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_flags(parser, params, groups={None: workload})
     workload.add_argument(
         "--interval",
-        type=float,
+        type=number(float),
         default=None,
         help="built-in workloads: mean seconds between arrivals",
     )
@@ -195,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.overhead:
         return _run_overhead(args, con)
+    from rich.markup import escape
+
     from kvcompose.bench.report import tables
     from kvcompose.bench.run import BenchError, run_bench
 
@@ -208,8 +210,8 @@ def run(args: argparse.Namespace) -> int:
     for c in results.contenders:
         if c.status == "failed":
             out.print(
-                f"[red]contender {c.label!r} failed:[/red] {c.error}"
-                + (f"\n  log: {c.log}" if c.log else "")
+                f"[red]contender {escape(repr(c.label))} failed:[/red] {escape(c.error or '')}"
+                + (f"\n  log: {escape(str(c.log))}" if c.log else "")
             )
     files = results.files
     out.print(
@@ -250,7 +252,9 @@ def _console(stderr: bool = False) -> Any:
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    return Console(stderr=stderr, width=None if stream.isatty() else 400, highlight=False)
+    return Console(
+        stderr=stderr, width=None if stream.isatty() else 400, highlight=False, emoji=False
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,4 +100,4 @@ def console(stderr: bool = False) -> Any:
     from rich.console import Console
 
     width = None if (sys.stderr if stderr else sys.stdout).isatty() else 120
-    return Console(stderr=stderr, width=width, highlight=False)
+    return Console(stderr=stderr, width=width, highlight=False, emoji=False)

@@ -192,6 +192,18 @@ def test_parse_contenders(tmp_path: Path) -> None:
     assert [d.label for d in defs] == ["recompute", "recompute-2"]
 
 
+def test_a_contender_file_name_makes_a_safe_label(tmp_path: Path) -> None:
+    """A label names directories and table rows: a file name's other characters go."""
+    odd = tmp_path / "[bold]my tiers:x:.yaml"
+    odd.write_text("version: 1\n")
+    assert cmod.parse_contender(str(odd)).label == "bold-my-tiers-x-"
+    assert cmod.safe_label("../..") == "contender"
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(cmod.ContenderError, match="not UTF-8 text"):
+        cmod.parse_contender(str(binary))
+
+
 def test_resolve_fills_store_dirs(tmp_path: Path) -> None:
     for name in ("disk", "multiconnector", "kvcompose-first"):
         contender = cmod.builtin_contender(name)
@@ -349,6 +361,21 @@ def test_report_rows_tables_and_files(tmp_path: Path) -> None:
         assert [r["contender"] for r in csv.DictReader(fh)] == ["recompute", "broken"]
 
 
+def test_tables_show_markup_in_labels_and_errors_as_text(tmp_path: Path) -> None:
+    """A label or an engine's error with ``[/x]`` or ``list[int]`` is printed as is (rich
+    read it as markup: it dropped ``[int]`` and raised on a closing tag)."""
+    from rich.console import Console
+
+    from kvcompose.bench import report
+
+    results = _results(tmp_path)
+    results.contenders[1].label = "b[/x]list[int]"
+    con = Console(width=300, record=True, emoji=False)
+    for table in report.tables(results):
+        con.print(table)
+    assert "b[/x]list[int]" in con.export_text()
+
+
 def test_goals_of_the_default_comparison(tmp_path: Path) -> None:
     import importlib.util
 
@@ -435,6 +462,33 @@ def test_cli_options() -> None:
     assert (flags.contender_timeout_s, flags.out_dir, flags.mooncake.warm) == (60.0, "x", 3)
     assert (flags.warmup_requests, flags.store_root, flags.max_tokens) == (0, "s", 7)
     assert flags.engine.block_size == 16
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--repeats", "0"], "--repeats: must be at least 1, got '0'"),
+        (["--time-scale", "nan"], "--time-scale: expected a finite number, got 'nan'"),
+        (["--time-scale", "-1"], "--time-scale: must be at least 0"),
+        (["--interval", "inf"], "--interval: expected a finite number"),
+        (["--max-tokens", "0"], "--max-tokens: must be at least 1"),
+        (["--trace-limit", "-3"], "--trace-limit: must be at least 1"),
+        (["--seeds", ",,"], "--seeds: expected comma-separated integers, got ',,'"),
+        (["--seeds", "1,-2"], "--seeds: expected comma-separated integers of at least 0"),
+        (["--users", "0"], "--users: must be at least 1"),
+        (["--max-num-seqs", "x"], "--max-num-seqs: expected an integer, got 'x'"),
+        (["--dtype", "fp8ish"], "--dtype: invalid choice: 'fp8ish'"),
+        (["--mooncake-block-tokens", "0"], "--mooncake-block-tokens: must be at least 1"),
+        (["--overhead-children", "0"], "--overhead-children: expected comma-separated"),
+    ],
+)
+def test_bad_numbers_are_usage_errors_before_any_engine(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcompose.cli.main import main
+
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_overhead_flags() -> None:
