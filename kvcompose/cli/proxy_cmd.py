@@ -19,8 +19,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--decode", nargs="+", metavar="URL", help="decode engines")
     parser.add_argument("--model", help="the served model name (default: the backends')")
     parser.add_argument("--max-attempts", type=int, help="attempts per request (default 4)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", type=_host, default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any)")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
@@ -32,12 +32,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
+    return int(text)
+
+
+def _host(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected an address, got an empty one")
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from pydantic import ValidationError
-
     from kvcompose.cli.common import CLIError
+    from kvcompose.config import ConfigError
     from kvcompose.proxy.config import load_proxy_config
 
     try:
@@ -48,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             max_attempts=args.max_attempts,
         )
-    except (ValidationError, ValueError, OSError) as exc:
-        raise CLIError(f"kvcompose proxy: {exc}") from exc
+    except ConfigError as exc:
+        raise CLIError(f"kvcompose proxy: {exc}") from None
     if args.check:
         print(config.model_dump_json(indent=2))
         return 0

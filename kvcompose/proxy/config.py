@@ -8,10 +8,22 @@ backoff_s: 0.05          # doubled after each failed attempt, capped at backoff_
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvcompose.config.errors import (
+    ConfigError,
+    ErrorItem,
+    describe,
+    did_you_mean,
+    line_for,
+    shown,
+)
+from kvcompose.config.source import read_file
 
 
 class Timeouts(BaseModel):
@@ -54,12 +66,7 @@ class ProxyConfig(BaseModel):
     @field_validator("prefill", "decode")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
-        out = []
-        for url in urls:
-            url = url.strip().rstrip("/")
-            if not url.startswith(("http://", "https://")):
-                url = f"http://{url}"
-            out.append(url)
+        out = [base_url(url) for url in urls]
         if len(set(out)) != len(out):
             raise ValueError(f"a backend is listed twice: {out}")
         return out
@@ -71,15 +78,61 @@ class ProxyConfig(BaseModel):
         return min(self.backoff_max_s, self.backoff_s * 2 ** (failed_attempts - 1))
 
 
-def load_proxy_config(path: str | Path | None = None, **overrides: Any) -> ProxyConfig:
-    """The YAML file at ``path`` (if any) with ``overrides`` (CLI flags; ``None`` = unset)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        import yaml
+def base_url(url: str) -> str:
+    """A backend's base URL: ``host:port`` gains ``http://``, a trailing ``/`` goes; anything
+    that is not an http(s) URL with a host and a valid port is refused here, not at the first
+    request."""
+    text = url.strip()
+    if "://" not in text:
+        text = f"http://{text}"
+    text = text.rstrip("/")
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises for a port that is not a number in 0..65535
+    except ValueError as exc:
+        raise ValueError(f"{url!r} is not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r}: the scheme must be http or https")
+    if not parts.hostname:
+        raise ValueError(f"{url!r}: no host")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{url!r}: a base URL has no query or fragment")
+    return text
 
-        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a mapping at the top level")
-        data.update(loaded)
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    return ProxyConfig.model_validate(data)
+
+def load_proxy_config(path: str | Path | None = None, **overrides: Any) -> ProxyConfig:
+    """The YAML file at ``path`` (if any) with ``overrides`` (CLI flags; ``None`` = unset).
+
+    The file is read like a kvcompose config (``kvcompose.config.source``: size-bounded,
+    UTF-8, duplicate keys refused, lines kept); every problem is a ``ConfigError`` whose
+    message is one line naming the file, the line and the key."""
+    data: dict[str, Any] = {}
+    label = None
+    linemap = None
+    if path is not None:
+        source = read_file(path)
+        label, linemap = os.fspath(path), source.linemap
+        if source.data is not None and not isinstance(source.data, dict):
+            raise ConfigError(
+                ErrorItem((), f"expected a mapping at the top level, got {describe(source.data)}"),
+                label,
+            )
+        data.update(source.data or {})
+    flags = {k: v for k, v in overrides.items() if v is not None}
+    data.update(flags)
+    try:
+        return ProxyConfig.model_validate(data)
+    except ValidationError as exc:
+        items = []
+        for error in exc.errors():
+            loc = tuple(error["loc"])
+            message = error["msg"].removeprefix("Value error, ")
+            if error["type"] == "extra_forbidden":
+                known = (Timeouts if loc[:1] == ("timeouts",) else ProxyConfig).model_fields
+                message = f"unknown key {shown(loc[-1])}{did_you_mean(loc[-1], known)}"
+            if loc and loc[0] in flags:  # a flag's value: no line of the file
+                where = f"--{str(loc[0]).replace('_', '-')}"
+                items.append(ErrorItem(loc[1:], f"{where}: {message}"))
+            else:
+                items.append(ErrorItem(loc, message, line_for(linemap, loc)))
+        raise ConfigError(items, label) from None

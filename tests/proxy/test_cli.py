@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from kvcompose.cli.main import main
 from kvcompose.testing.pd import free_port
@@ -29,6 +30,45 @@ def test_flags_and_yaml_merge(tmp_path, capsys):
 def test_bad_settings_are_one_line_errors(capsys):
     assert main(["proxy", "--prefill", "p", "--check"]) == 1
     assert "decode" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "file", "message"),
+    [
+        (["--prefill", "ftp://a", "--decode", "b"], None, "--prefill: 'ftp://a': the scheme"),
+        (["--prefill", "a:99999", "--decode", "b"], None, "is not a URL (Port out of range"),
+        (["--prefill", "http://[::1", "--decode", "b"], None, "is not a URL (Invalid IPv6"),
+        (["--prefill", "http://", "--decode", "b"], None, "'http://': no host"),
+        (["--prefill", "a?x=1", "--decode", "b"], None, "no query or fragment"),
+        (["--prefill", "a", "--decode", "b", "--max-attempts", "0"], None, "--max-attempts: "),
+        ([], "prefill: [p1, 3]\ndecode: [d]\n", "proxy.yaml:1: prefill[1]: Input should be"),
+        ([], "prefill: [p]\ndecode: [d]\ndecode: [e]\n", "proxy.yaml:3: decode: duplicate key"),
+        ([], "prefill: [p]\ndecode: [d]\nmax_atempts: 3\n", "(did you mean 'max_attempts'?)"),
+        ([], "prefill: [p]\ndecode: [d]\ntimeouts: {read: -1}\n", ":3: timeouts.read: "),
+        ([], "- a list\n", "proxy.yaml: expected a mapping at the top level, got a list"),
+        ([], b"a: \x80\x81", "proxy.yaml:1: not UTF-8 text"),
+    ],
+)
+def test_bad_settings_name_the_flag_or_the_line(tmp_path, capsys, argv, file, message):
+    """Every bad setting, from a flag or the file, is one line before anything starts."""
+    if file is not None:
+        cfg = tmp_path / "proxy.yaml"
+        cfg.write_bytes(file if isinstance(file, bytes) else file.encode())
+        argv = [*argv, "--config", str(cfg)]
+    assert main(["proxy", *argv, "--check"]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_config_file_that_never_ends_is_refused(capsys):
+    assert main(["proxy", "--config", "/dev/zero", "--check"]) == 1
+    assert "too large for a config file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--port", "99999"), ("--port", "-1"), ("--host", "")])
+def test_bad_listen_address_is_a_usage_error(capsys, flag, value):
+    assert main(["proxy", "--prefill", "p", "--decode", "d", flag, value, "--check"]) == 2
+    assert f"argument {flag}" in capsys.readouterr().err
 
 
 def test_the_verb_serves_the_app():
