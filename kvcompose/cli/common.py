@@ -96,6 +96,19 @@ def load(args: argparse.Namespace, path: str) -> Config:
     return config
 
 
+def emit(text: str, output: str | None) -> None:
+    """``text`` to the file ``output`` (``-o``), or to standard output; a file that cannot be
+    written is a ``CLIError`` naming it."""
+    if not output:
+        print(text, end="")
+        return
+    try:
+        with open(output, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise CLIError(f"kvcompose: cannot write {output}: {exc.strerror or exc}") from None
+
+
 def console(stderr: bool = False) -> Any:
     from rich.console import Console
 

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from kvcompose.cli.common import FILE_HELP, add_load_flags, load
+from kvcompose.cli.common import FILE_HELP, add_load_flags, emit, load
 from kvcompose.config.multiconnector import document_notes, multiconnector_from_config
 from kvcompose.config.render import document_from_tree, simplify_document, to_yaml
 from kvcompose.config.source import read_file
@@ -55,9 +55,5 @@ def run(args: argparse.Namespace) -> int:
         text = json.dumps(data, indent=2) + "\n"
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
-    else:
-        print(text, end="")
+    emit(text, args.output)
     return 0

@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _drop_stdout() -> None:
+    """Point standard output at /dev/null, so that the flush at exit does not fail again."""
+    with contextlib.suppress(OSError):
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _quiet_vllm()
     from kvcompose.cli.common import CLIError
@@ -97,9 +103,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        with contextlib.suppress(OSError):
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+        _drop_stdout()
         return EXIT_OK
+    except OSError as exc:
+        if debug:
+            raise
+        # what is left after the commands' own handling: standard output that cannot be
+        # written (a full disk, a closed terminal)
+        _drop_stdout()
+        print(f"kvcompose: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_INVALID
     except Exception as exc:
         if debug:
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvcompose.cli.common import emit
 from kvcompose.config import json_schema
 
 
@@ -31,9 +32,5 @@ def run(args: argparse.Namespace) -> int:
         text = render_markdown()
     else:
         text = json.dumps(json_schema(), indent=2) + "\n"
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
-    else:
-        print(text, end="")
+    emit(text, args.output)
     return 0

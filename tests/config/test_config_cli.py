@@ -293,6 +293,27 @@ def test_schema_validates_the_examples() -> None:
         jsonschema.validate({"tree": {"chain": {"children": []}}}, schema)
 
 
+def test_output_that_cannot_be_written_is_a_clean_error(run_cli, tmp_path: Path) -> None:
+    code, _, err = run_cli("schema", "-o", str(tmp_path / "missing" / "schema.json"))
+    assert code == 1 and err.startswith("kvcompose: cannot write ") and "No such file" in err
+    code, _, err = run_cli("convert", "--offline", str(TIERS), "-o", str(tmp_path))
+    assert code == 1 and "Is a directory" in err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_standard_output_on_a_full_disk_is_a_clean_error() -> None:
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcompose.cli", "vllm-args", "--offline", str(TIERS)],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+    assert proc.returncode == 1
+    assert proc.stderr == "kvcompose: cannot write the output: No space left on device\n"
+
+
 def test_module_entry_point_runs_as_a_program(tmp_path: Path) -> None:
     """``python -m kvcompose.cli`` (what the ``kvcompose`` script runs): real process, real
     exit codes, output on the right streams."""
