@@ -144,7 +144,13 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
     if opts.repeats < 1:
         raise BenchError(f"--repeats must be at least 1, got {opts.repeats}")
     out = Path(opts.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".kvcompose-write-check").touch()
+        (out / ".kvcompose-write-check").unlink()
+    except OSError as exc:
+        why = "not a directory" if out.exists() and not out.is_dir() else exc.strerror or exc
+        raise BenchError(f"--out {opts.out_dir}: {why}") from None
     try:
         model_dir = resolve_model(opts.model)
     except FileNotFoundError as exc:

@@ -491,6 +491,17 @@ def test_bad_numbers_are_usage_errors_before_any_engine(
     assert message in capsys.readouterr().err
 
 
+def test_an_output_directory_that_cannot_be_made_is_refused_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcompose.cli.main import main
+
+    a_file = tmp_path / "results"
+    a_file.write_text("")
+    assert main(["bench", "-w", "noreuse", "-c", "none", "--out", str(a_file)]) == 1
+    assert f"--out {a_file}: not a directory" in capsys.readouterr().err
+
+
 def test_overhead_flags() -> None:
     import argparse
 
