@@ -154,6 +154,7 @@ class Checks:
         # leaf -> (bad blocks, the requests whose loads they belong to), as reported
         self.step_bad_reports: dict[str, list[tuple[set[int], tuple[str, ...]]]] = defaultdict(list)
         sync_lost: set[int] = set()  # bad blocks of sync loads, lost with a raise
+        lost_calls: list[tuple[Any, str, tuple[int, ...], tuple[str, ...]]] = []
         fail_leaves = self.gen.fail_leaves if self.gen is not None else frozenset()
         for name, s in self.scripts.items():
             calls = s.calls[self.cursor[name] :]
@@ -207,14 +208,9 @@ class Checks:
                 elif kind == "invalid_report":
                     self.step_bad_reports[name].append((set(call[1]), call[2]))
                 elif kind == "invalid_lost":
-                    for rid in call[2]:
-                        if self.hidden_load_error(name, rid):
-                            continue  # as a hidden bad report: the node reloads or gives up
-                        if rid in self.loads or rid in new_async:  # checked when received
-                            self.lost_bad.setdefault(rid, set()).update(call[1])
-                        elif not s.behaviour(rid).is_async:
-                            sync_lost.update(call[1])
-                        # else: a late report of a load the composite already failed
+                    # judged below, once this batch's loads are known: a segment of a stitched
+                    # load that starts in this very step is parked like any other
+                    lost_calls.append((s, name, call[1], call[2]))
                 elif kind == "hit":
                     self.last_hit[(name, call[1])] = call[2]
                 elif kind == "stored":
@@ -224,8 +220,6 @@ class Checks:
                 elif kind == "lookup":
                     STATS["lookups"] += 1
                     self.last_lookup[(name, call[1])] = call[2]
-        if sync_lost:
-            self.step_bad_blocks["(lost with a raise)"].update(sync_lost)
         for rid, loaded in ranges.items():
             # (8) each token is loaded by exactly one child
             loaded.sort()
@@ -246,6 +240,17 @@ class Checks:
                 self.async_loads[rid] += 1
             self.loads[rid] = names
             self.reported.pop(rid, None)
+        for s, name, bad, rids in lost_calls:
+            for rid in rids:
+                if self.hidden_load_error(name, rid):
+                    continue  # as a hidden bad report: the node reloads or gives up
+                if rid in self.loads:  # checked when received
+                    self.lost_bad.setdefault(rid, set()).update(bad)
+                elif not s.behaviour(rid).is_async:
+                    sync_lost.update(bad)
+                # else: a late report of a load the composite already failed
+        if sync_lost:
+            self.step_bad_blocks["(lost with a raise)"].update(sync_lost)
         return recv
 
     def held_for_recovery(self, rid: str) -> bool:
