@@ -17,7 +17,8 @@ from kvcompose.bench.workloads import WorkloadError
 
 M = TypeVar("M", bound=BaseModel)
 
-Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
+#: A finite number at least 0 (times: seconds in the token-id form, ms in Mooncake's).
+Finite = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 
 
@@ -28,7 +29,7 @@ class TokenRow(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     id: StrictStr | StrictInt | None = None
-    arrival_s: Seconds = 0.0
+    arrival_s: Finite = 0.0
     prompt_token_ids: TokenIds
     max_tokens: Annotated[StrictInt, Field(ge=1)] = 16
     prefill: Annotated[StrictStr, Field(min_length=1)] | None = None
@@ -44,7 +45,7 @@ class MooncakeRow(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    timestamp: Seconds
+    timestamp: Finite
     input_length: Annotated[StrictInt, Field(ge=1)]
     output_length: Annotated[StrictInt, Field(ge=0)] = 1
     hash_ids: Annotated[list[StrictInt], Field(min_length=1)]
