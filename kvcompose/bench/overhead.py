@@ -7,7 +7,10 @@ and ``update_from_output``; only the forward pass is absent) with:
 - ``none``: no connector (the baseline);
 - ``direct``: one ``NoopConnector`` called directly by the scheduler;
 - ``multiconnector-k``: vLLM's ``MultiConnector`` over k no-op children;
-- ``kvcompose-k``: a kvcompose ``chain`` (policy ``first``) over k no-op children.
+- ``kvcompose-k``: a kvcompose ``chain`` (policy ``first``) over k no-op children;
+- ``floor-k``: ``FloorConnector``, a bare forwarding composite of k no-op children (each
+  child asked and told everything, nothing kept or checked): what forwarding to k children
+  costs, so ``kvcompose-k / floor-k`` is about kvcompose's own share.
 
 All N requests arrive at once: one admission step looks up and allocates every request
 (``get_num_new_matched_tokens``, ``update_state_after_alloc`` on every child), then decode
@@ -73,7 +76,7 @@ class OverheadOptions:
 
 
 def configurations(children: list[int]) -> dict[str, dict[str, Any] | None]:
-    from kvcompose.bench.noop import MODULE_PATH, noop_config  # imports vLLM
+    from kvcompose.bench.noop import MODULE_PATH, floor_config, noop_config  # imports vLLM
     from kvcompose.config import load_config
     from kvcompose.config.render import vllm_args
 
@@ -94,6 +97,7 @@ def configurations(children: list[int]) -> dict[str, dict[str, Any] | None]:
             "tree": {"chain": {"name": "tiers", "policy": "first", "children": leaves}},
         }
         out[f"kvcompose-{k}"] = vllm_args(load_config(document, env={}))
+        out[f"floor-{k}"] = floor_config(k)
     return out
 
 
@@ -345,9 +349,10 @@ def _summary(
 
     ratios: dict[str, OverheadRatios] = {}
     for k in opts.children:
-        kvn, mcn = f"kvcompose-{k}", f"multiconnector-{k}"
+        kvn, mcn, floor = f"kvcompose-{k}", f"multiconnector-{k}", f"floor-{k}"
         kvc_mc, kvc_direct = rounds(kvn, mcn), rounds(kvn, "direct")
         mc_direct = rounds(mcn, "direct")
+        kvc_floor, floor_direct = rounds(kvn, floor), rounds(floor, "direct")
         ratios[f"{k}_children"] = OverheadRatios(
             kvcompose_over_multiconnector=median(kvc_mc),
             kvcompose_over_direct=median(kvc_direct),
@@ -360,5 +365,9 @@ def _summary(
             kvcompose_over_multiconnector_rounds=kvc_mc,
             kvcompose_over_direct_rounds=kvc_direct,
             multiconnector_over_direct_rounds=mc_direct,
+            kvcompose_over_floor=median(kvc_floor),
+            floor_over_direct=median(floor_direct),
+            kvcompose_over_floor_rounds=kvc_floor,
+            floor_over_direct_rounds=floor_direct,
         )
     return OverheadEntry(steps=base.steps, configs=rows, ratios=ratios)

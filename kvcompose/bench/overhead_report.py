@@ -40,26 +40,29 @@ def table(result: OverheadResult) -> Any:
                 f"{row.added_us_per_request_finish:.2f}",
             )
         for k, r in entry.ratios.items():
-            kvc_mc, kvc_direct, mc_direct = _ratio_cells(r)
+            kvc_mc, kvc_direct, mc_direct, kvc_floor, floor_direct = _ratio_cells(r)
             t.add_row(
                 n,
                 f"ratio, {k.replace('_', ' ')}",
                 f"kvc/MC {kvc_mc}",
                 f"kvc/direct {kvc_direct}",
                 f"MC/direct {mc_direct}",
-                "",
-                "",
+                f"kvc/floor {kvc_floor}",
+                f"floor/direct {floor_direct}",
                 "",
             )
     return t
 
 
-def _ratio_cells(r: OverheadRatios) -> tuple[str, str, str]:
-    """kvcompose/MultiConnector, kvcompose/direct, MultiConnector/direct, with spreads."""
+def _ratio_cells(r: OverheadRatios) -> tuple[str, str, str, str, str]:
+    """kvcompose/MultiConnector, kvcompose/direct, MultiConnector/direct, kvcompose/floor,
+    floor/direct, with spreads."""
     return (
         _spread(r.kvcompose_over_multiconnector, r.kvcompose_over_multiconnector_rounds),
         _spread(r.kvcompose_over_direct, r.kvcompose_over_direct_rounds),
         _spread(r.multiconnector_over_direct, r.multiconnector_over_direct_rounds),
+        _spread(r.kvcompose_over_floor, r.kvcompose_over_floor_rounds),
+        _spread(r.floor_over_direct, r.floor_over_direct_rounds),
     )
 
 
@@ -85,9 +88,14 @@ def markdown(result: OverheadResult, goals: str = "") -> str:
         f"step; {opts.get('steps')} decode steps. Ratios: median (min-max) over the rounds of "
         f"the ratio measured within a round.{' ' + goals if goals else ''}",
         "",
+        "`floor-k` is `kvcompose.bench.noop.FloorConnector`, a bare forwarding composite of "
+        "the same k children (each asked and told everything, nothing kept or checked): "
+        "`floor / direct` is what forwarding to k children costs, `kvcompose / floor` about "
+        "kvcompose's own share.",
+        "",
         "| N | children | kvcompose / MultiConnector | kvcompose / direct | "
-        "MultiConnector / direct |",
-        "|---|---|---|---|---|",
+        "MultiConnector / direct | kvcompose / floor | floor / direct |",
+        "|---|---|---|---|---|---|---|",
     ]
     for n, entry in result.by_requests.items():
         for k, r in entry.ratios.items():

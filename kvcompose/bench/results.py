@@ -306,6 +306,12 @@ class OverheadRatios(Record):
     kvcompose_over_multiconnector_rounds: list[float] = []
     kvcompose_over_direct_rounds: list[float] = []
     multiconnector_over_direct_rounds: list[float] = []
+    #: against ``floor-k``, the barest composite of the same children (results since
+    #: 2026-12-02; older files have none)
+    kvcompose_over_floor: float | None = None
+    floor_over_direct: float | None = None
+    kvcompose_over_floor_rounds: list[float] = []
+    floor_over_direct_rounds: list[float] = []
 
 
 class OverheadEntry(Record):

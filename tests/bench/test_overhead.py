@@ -14,12 +14,19 @@ def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
         OverheadOptions(requests=[16], children=[2], steps=2, repeats=1, model_dir=str(tiny_model))
     )
     entry = json.loads(result.model_dump_json())["by_requests"]["16"]  # overhead.json's form
-    assert set(entry["configs"]) == {"none", "direct", "multiconnector-2", "kvcompose-2"}
+    assert set(entry["configs"]) == {
+        "none",
+        "direct",
+        "multiconnector-2",
+        "kvcompose-2",
+        "floor-2",
+    }
     calls = {name: row["connector_calls"] for name, row in entry["configs"].items()}
     assert calls["none"] == 0
     # The scheduler makes the same calls into its connector whatever it is.
     assert calls["direct"] == calls["multiconnector-2"] == calls["kvcompose-2"] > 0
-    for name in ("direct", "multiconnector-2", "kvcompose-2"):
+    assert calls["floor-2"] == calls["direct"]
+    for name in ("direct", "multiconnector-2", "kvcompose-2", "floor-2"):
         by_method = entry["configs"][name]["in_connector_us_per_request_by_method"]
         assert {
             "get_num_new_matched_tokens",
@@ -30,8 +37,11 @@ def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
     assert set(entry["ratios"]["2_children"]) >= {
         "kvcompose_over_multiconnector",
         "kvcompose_over_direct",
+        "kvcompose_over_floor",
+        "floor_over_direct",
     }
-    assert table(result).row_count == 5
+    assert entry["ratios"]["2_children"]["kvcompose_over_floor"] > 0
+    assert table(result).row_count == 6
     ratios = entry["ratios"]["2_children"]
     assert len(ratios["kvcompose_over_multiconnector_rounds"]) == 1  # one per round
     assert (
@@ -40,15 +50,17 @@ def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
     md = markdown(result)
     row = next(line for line in md.splitlines() if line.startswith("| 16 | 2 |"))
     assert f"{ratios['kvcompose_over_multiconnector']:.2f}" in row
+    assert f"{ratios['kvcompose_over_floor']:.2f}" in row
 
 
 def test_noop_connector_is_a_complete_connector() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    from kvcompose.bench.noop import NoopConnector
+    from kvcompose.bench.noop import FloorConnector, NoopConnector
 
-    assert issubclass(NoopConnector, KVConnectorBase_V1)
-    assert not getattr(NoopConnector, "__abstractmethods__", set())
+    for cls in (NoopConnector, FloorConnector):
+        assert issubclass(cls, KVConnectorBase_V1)
+        assert not getattr(cls, "__abstractmethods__", set())
 
 
 def test_committed_overhead_results_read_back() -> None:
