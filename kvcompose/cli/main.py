@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
 import logging
 import os
@@ -26,6 +27,8 @@ OPTIONAL: frozenset[str] = frozenset({"bench"})
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_TERMINATED = 128 + signal.SIGTERM  # a shell's status for a process ended by SIGTERM
+#: Errors of a write with no file named: standard output (a full disk, a terminal gone).
+_OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG})
 
 
 def _quiet_vllm() -> None:
@@ -108,10 +111,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         if debug:
             raise
-        # what is left after the commands' own handling: standard output that cannot be
-        # written (a full disk, a closed terminal)
-        _drop_stdout()
-        print(f"kvcompose: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+        # what the commands leave to here: standard output that cannot be written (a full
+        # disk, a closed terminal), or a file or socket the system refused
+        what = f"{exc.filename}: " if exc.filename else ""
+        if exc.filename is None and exc.errno in _OUTPUT_ERRNOS:
+            _drop_stdout()
+            what = "cannot write the output: "
+        print(f"kvcompose: {what}{exc.strerror or exc}", file=sys.stderr)
         return EXIT_INVALID
     except Exception as exc:
         if debug:

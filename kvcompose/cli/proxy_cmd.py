@@ -71,5 +71,13 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+    except SystemExit as exc:  # uvicorn's own exit when the server cannot start
+        if exc.code in (0, None):
+            return 0
+        raise CLIError(
+            f"kvcompose proxy: the server did not start on {args.host}:{args.port} "
+            "(uvicorn's error is above)"
+        ) from None
     return 0

@@ -110,6 +110,28 @@ def test_the_verb_serves_the_app():
         proc.wait(timeout=20)
 
 
+def test_a_port_in_use_is_a_clean_error():
+    """uvicorn exits with status 3 when it cannot bind; the verb says so in one line."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = ["proxy", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9", "--port"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcompose.cli", *argv, str(port), "--log-level", "error"],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"kvcompose proxy: the server did not start on 127.0.0.1:{port} (uvicorn's error is above)"
+    )
+
+
 def test_the_example_config_loads():
     from kvcompose.proxy import load_proxy_config
 
