@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from kvcompose.config.errors import ConfigError
 from kvcompose.proxy.backends import BackendPool, check_all, health_loop
 from kvcompose.proxy.config import ProxyConfig, load_proxy_config
 from kvcompose.proxy.core import Delta, Finish, GenerationFailed, Router
@@ -145,8 +146,12 @@ def create_app(config: ProxyConfig, *, http_client: httpx.AsyncClient | None = N
 
 
 def app_from_env() -> FastAPI:
-    """For ``uvicorn --factory``: the config file named by ``KVCOMPOSE_PROXY_CONFIG``."""
-    return create_app(load_proxy_config(os.environ["KVCOMPOSE_PROXY_CONFIG"]))
+    """For ``uvicorn --factory``: the config file named by ``KVCOMPOSE_PROXY_CONFIG`` (unset,
+    or a bad file, is a ``ConfigError`` saying so, which uvicorn prints)."""
+    path = os.environ.get("KVCOMPOSE_PROXY_CONFIG")
+    if not path:
+        raise ConfigError("KVCOMPOSE_PROXY_CONFIG is not set: name the proxy's settings file")
+    return create_app(load_proxy_config(path))
 
 
 async def _monitor(router: Router, state: dict[str, Any]) -> None:

@@ -132,6 +132,15 @@ def test_a_port_in_use_is_a_clean_error():
     )
 
 
+def test_the_uvicorn_factory_needs_its_variable(monkeypatch):
+    from kvcompose.config import ConfigError
+    from kvcompose.proxy.app import app_from_env
+
+    monkeypatch.delenv("KVCOMPOSE_PROXY_CONFIG", raising=False)
+    with pytest.raises(ConfigError, match="KVCOMPOSE_PROXY_CONFIG is not set"):
+        app_from_env()
+
+
 def test_the_example_config_loads():
     from kvcompose.proxy import load_proxy_config
 
