@@ -59,9 +59,8 @@ def _paths(data: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]
     if len(prefix) > 30:  # an alias that contains itself
         return
     yield prefix
-    items = data.items() if isinstance(data, dict) else enumerate(data or ())
     if isinstance(data, dict | list):
-        for key, value in items:
+        for key, value in data.items() if isinstance(data, dict) else enumerate(data):
             yield from _paths(value, (*prefix, key))
 
 
