@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+from kvcompose.config.deadline import UserCodeTimeout, limit_s, time_limit
 from kvcompose.config.errors import did_you_mean, shown
 from kvcompose.config.known import needs_package
 from kvcompose.tree import Leaf, Route, child_transfer_config, walk
@@ -114,17 +115,24 @@ def inspect_config(config: Any) -> VllmFacts:
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.utils.func_utils import supports_kw
 
+    try:
+        seconds = limit_s()
+    except ValueError as exc:
+        raise config.error((), str(exc)) from None
     reg = registry()
     facts = VllmFacts(registry=tuple(sorted(reg)), vllm_version=_vllm_version())
     ktc_fields = {f.name for f in dataclasses.fields(KVTransferConfig)}
     paths = config.leaf_paths()
     for _, node in walk(config.tree):
         if isinstance(node, Route):
-            _check_predicates(config, node)
+            info = config.nodes.get(node.name)
+            where = info.path if info else ()
+            with _user_code(config, where, f"route {shown(node.name)}", seconds):
+                _check_predicates(config, node, where)
         if not isinstance(node, Leaf):
             continue
         path = paths.get(node.name, ())
-        with _user_code(config, path, f"connector {shown(node.connector)}"):
+        with _user_code(config, path, f"connector {shown(node.connector)}", seconds):
             _check_leaf(config, node, path, reg, supports_kw, ktc_fields, facts)
     return facts
 
@@ -178,16 +186,25 @@ def _check_leaf(
 
 
 @contextlib.contextmanager
-def _user_code(config: Any, where: tuple, what: str) -> Iterator[None]:
+def _user_code(config: Any, where: tuple, what: str, seconds: float) -> Iterator[None]:
     """Run code from connector or predicate modules: its prints go to stderr, and a
-    ``sys.exit()`` becomes a ``ConfigError`` at ``where``."""
-    with contextlib.redirect_stdout(sys.stderr):
-        try:
+    ``sys.exit()`` or a run past ``seconds`` (:mod:`kvcompose.config.deadline`) becomes a
+    ``ConfigError`` at ``where``."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr), time_limit(seconds, f"checking {what}"):
             yield
-        except SystemExit as exc:
-            raise config.error(
-                where, f"{what}: its code called sys.exit({exc.code!r}) while being checked"
-            ) from None
+    except SystemExit as exc:
+        raise config.error(
+            where, f"{what}: its code called sys.exit({exc.code!r}) while being checked"
+        ) from None
+    except UserCodeTimeout:  # the timer fired outside an import
+        raise config.error(
+            where, f"{what}: its checks did not finish within {seconds:g} s ({_MORE_TIME})"
+        ) from None
+
+
+#: How to allow the checks more time, for the messages.
+_MORE_TIME = "KVCOMPOSE_CHECK_TIMEOUT=SECONDS allows longer, --offline skips them"
 
 
 def _import(config: Any, where: tuple, name: str) -> ModuleType:
@@ -198,6 +215,12 @@ def _import(config: Any, where: tuple, name: str) -> ModuleType:
             raise config.error(
                 where,
                 f"cannot import module {shown(name)}: it calls sys.exit({exc.code!r}) on import",
+            ) from None
+        except UserCodeTimeout:
+            raise config.error(
+                where,
+                f"importing module {shown(name)} did not finish within {limit_s():g} s "
+                f"({_MORE_TIME})",
             ) from None
         except Exception as exc:
             raise config.error(
@@ -258,9 +281,7 @@ def _resolve(config: Any, leaf: Leaf, path: tuple, reg: dict[str, Any], supports
     return _connector_class(config, (*path, "connector"), cls, f"connector {leaf.connector!r}")
 
 
-def _check_predicates(config: Any, route: Route) -> None:
-    info = config.nodes.get(route.name)
-    base = info.path if info else ()
+def _check_predicates(config: Any, route: Route, base: tuple) -> None:
     for index, rule in enumerate(route.rules):
         if not rule.predicate:
             continue

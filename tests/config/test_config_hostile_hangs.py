@@ -1,0 +1,190 @@
+"""Connector and predicate code that never returns, met by the vLLM checks (``explain``,
+``vllm-args`` and ``validate --check-vllm`` import the modules a config names): each ends in
+a one-line error within the limit of :mod:`kvcompose.config.deadline`, never in a hang."""
+
+from __future__ import annotations
+
+import json
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from config_helpers import needs_vllm
+from hostile_helpers import assert_clean_error, cli
+
+from kvcompose.config.deadline import UserCodeTimeout, limit_s, time_limit
+
+MODULES = {
+    "kvc_hang_sleeps": "import time\ntime.sleep(10**6)\n",
+    "kvc_hang_spins": "while True:\n    pass\n",
+    # An except that swallows what it can: the timer's exception is no Exception.
+    "kvc_hang_swallows": """
+        import threading
+        while True:
+            try:
+                threading.Event().wait()
+            except Exception:
+                pass
+        """,
+    # Blocks the timer's signal: only the watchdog can end it.
+    "kvc_hang_blocks": """
+        import signal, time
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
+        time.sleep(10**6)
+        """,
+    "kvc_hang_later": """
+        import time
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+            ExampleConnector,
+        )
+
+        class StuckConnector(ExampleConnector):
+            @classmethod
+            def requires_piecewise_for_cudagraph(cls, extra_config):
+                time.sleep(10**6)
+        """,
+    "kvc_hang_predicate": """
+        import time
+
+        def pick(request):
+            return True
+
+        time.sleep(10**6)
+        """,
+}
+LIMIT = {"KVCOMPOSE_CHECK_TIMEOUT": "2"}
+MORE_TIME = "KVCOMPOSE_CHECK_TIMEOUT=SECONDS allows longer, --offline skips them"
+
+
+@pytest.fixture
+def modules(tmp_path: Path) -> Path:
+    for name, text in MODULES.items():
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(text))
+    return tmp_path
+
+
+def leaf_file(directory: Path, connector: str, module: str) -> str:
+    data = {
+        "kv_role": "kv_both",
+        "tree": {"leaf": {"connector": connector, "module_path": module,
+                          "extra_config": {"shared_storage_path": "/kv"}}},
+    }  # fmt: skip
+    (directory / f"{module}.json").write_text(json.dumps(data))
+    return f"{module}.json"
+
+
+def run(directory: Path, *args: str, env: dict[str, str] = LIMIT) -> tuple[int, str, str]:
+    return cli(*args, cwd=directory, env=env, pythonpath=(str(directory),), timeout=150)
+
+
+@needs_vllm
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("module", ["kvc_hang_sleeps", "kvc_hang_spins", "kvc_hang_swallows"])
+def test_a_module_that_never_finishes_importing(modules: Path, module: str) -> None:
+    name = leaf_file(modules, "C", module)
+    expected = (
+        f"{name}:1: tree.leaf.module_path: importing module '{module}' did not finish "
+        f"within 2 s ({MORE_TIME})"
+    )
+    for verb in ("explain", "vllm-args") if module == "kvc_hang_sleeps" else ("explain",):
+        assert_clean_error(run(modules, verb, name), expected)
+
+
+@needs_vllm
+@pytest.mark.timeout(300)
+def test_validate_check_vllm_and_a_class_method_that_never_returns(modules: Path) -> None:
+    name = leaf_file(modules, "StuckConnector", "kvc_hang_later")
+    assert_clean_error(
+        run(modules, "validate", "--check-vllm", name),
+        f"{name}:1: tree.leaf: connector 'StuckConnector': its checks did not finish within "
+        f"2 s ({MORE_TIME})",
+    )
+    # --offline imports nothing: the file alone is fine.
+    code, _, err = run(modules, "explain", "--offline", name)
+    assert code == 0, err[-2000:]
+
+
+@needs_vllm
+@pytest.mark.timeout(300)
+def test_a_route_predicate_module_that_never_finishes_importing(modules: Path) -> None:
+    leaf = {"connector": "ExampleConnector", "extra_config": {"shared_storage_path": "/kv"}}
+    data = {
+        "kv_role": "kv_both",
+        "tree": {"route": {
+            "name": "r", "default": "a",
+            "rules": [{"predicate": "kvc_hang_predicate:pick", "child": "a"}],
+            "children": [{"leaf": {"name": "a", **leaf}}, {"leaf": {"name": "b", **leaf}}],
+        }},
+    }  # fmt: skip
+    (modules / "route.json").write_text(json.dumps(data))
+    assert_clean_error(
+        run(modules, "explain", "route.json"),
+        "route.json:1: tree.route.rules[0].predicate: importing module 'kvc_hang_predicate' "
+        f"did not finish within 2 s ({MORE_TIME})",
+    )
+
+
+@needs_vllm
+@pytest.mark.timeout(300)
+def test_code_that_cannot_be_interrupted_ends_the_process_with_a_message(modules: Path) -> None:
+    name = leaf_file(modules, "C", "kvc_hang_blocks")
+    started = time.monotonic()
+    assert_clean_error(
+        run(modules, "explain", name),
+        "kvcompose: checking connector 'C' did not return within 7 s and cannot be "
+        "interrupted (set KVCOMPOSE_CHECK_TIMEOUT to allow longer)",
+    )
+    assert time.monotonic() - started < 140
+
+
+@needs_vllm
+@pytest.mark.timeout(300)
+def test_a_bad_limit_is_a_clean_error(modules: Path) -> None:
+    name = leaf_file(modules, "C", "kvc_hang_sleeps")
+    assert_clean_error(
+        run(modules, "explain", name, env={"KVCOMPOSE_CHECK_TIMEOUT": "abc"}),
+        f"{name}:1: KVCOMPOSE_CHECK_TIMEOUT='abc': must be a number of seconds (0: no limit)",
+    )
+
+
+def test_the_limit_raises_in_the_body_and_puts_the_signal_back() -> None:
+    previous = signal.signal(signal.SIGALRM, signal.SIG_DFL)  # pytest-timeout's, if any
+    try:
+        started = time.monotonic()
+        with pytest.raises(UserCodeTimeout), time_limit(0.2, "a test"):
+            time.sleep(30)
+        assert time.monotonic() - started < 10
+        assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        with time_limit(5, "a test"):
+            pass  # finishing in time leaves nothing running
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_the_limit_leaves_another_handler_of_the_signal_alone() -> None:
+    fired: list[int] = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(signum))
+    try:
+        with time_limit(0.1, "a test"):
+            time.sleep(0.4)
+        assert signal.getsignal(signal.SIGALRM) is not signal.SIG_DFL
+        assert fired == []
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_the_limit_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVCOMPOSE_CHECK_TIMEOUT", raising=False)
+    assert limit_s() == 120
+    monkeypatch.setenv("KVCOMPOSE_CHECK_TIMEOUT", "0")
+    assert limit_s() == 0
+    monkeypatch.setenv("KVCOMPOSE_CHECK_TIMEOUT", " 2.5 ")
+    assert limit_s() == 2.5
+    for bad in ("-1", "nan", "inf", "1e999", "2 s"):
+        monkeypatch.setenv("KVCOMPOSE_CHECK_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="must be a number of seconds"):
+            limit_s()
