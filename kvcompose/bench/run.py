@@ -153,9 +153,9 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
         raise BenchError(f"--out {opts.out_dir}: {why}") from None
     try:
         model_dir = resolve_model(opts.model)
-    except FileNotFoundError as exc:
+        facts = model_facts(model_dir)
+    except (FileNotFoundError, ValueError) as exc:
         raise BenchError(str(exc)) from None
-    facts = model_facts(model_dir)
     vocab = facts["vocab_size"]
 
     contenders = _contenders(opts, out)

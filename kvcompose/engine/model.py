@@ -233,11 +233,22 @@ def resolve_model(spec: str) -> Path:
 
 
 def model_facts(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Vocabulary size and shape, read from ``config.json``."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    text = cfg.get("text_config", cfg)
+    """Vocabulary size and shape, read from ``config.json``; raises ``ValueError`` naming
+    the file when it is not a JSON object or its ``vocab_size`` is not a positive integer
+    (the bench draws token ids below it)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"{path}: cannot be read as JSON ({exc})") from None
+    text = cfg.get("text_config", cfg) if isinstance(cfg, dict) else None
+    if not isinstance(text, dict):
+        raise ValueError(f"{path}: not a model config (a JSON object)")
+    vocab = text.get("vocab_size", 32000)
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"{path}: vocab_size must be a positive integer, not {vocab!r:.40}")
     return {
-        "vocab_size": int(text.get("vocab_size", 32000)),
+        "vocab_size": vocab,
         "num_layers": text.get("num_hidden_layers"),
         "hidden_size": text.get("hidden_size"),
         "num_heads": text.get("num_attention_heads"),

@@ -502,6 +502,33 @@ def test_an_output_directory_that_cannot_be_made_is_refused_first(
     assert f"--out {a_file}: not a directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("config_json", "message"),
+    [
+        (None, "not a model directory (no config.json)"),
+        (b'{"architectures": 5', "config.json: cannot be read as JSON (Expecting"),
+        (b"\xff\xfe\x00", "config.json: cannot be read as JSON"),
+        (b"[1, 2]", "config.json: not a model config (a JSON object)"),
+        (b'{"text_config": 3}', "config.json: not a model config (a JSON object)"),
+        (b'{"vocab_size": "big"}', "config.json: vocab_size must be a positive integer, not 'big'"),
+        (b'{"vocab_size": 0}', "config.json: vocab_size must be a positive integer, not 0"),
+    ],
+)
+def test_a_model_directory_that_is_no_model_is_refused_first(
+    tmp_path: Path, config_json: bytes | None, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcompose.cli.main import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    if config_json is not None:
+        (model / "config.json").write_bytes(config_json)
+    argv = ["bench", "-w", "noreuse", "-c", "none", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--model", str(model)]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "internal error" not in err, err
+
+
 def test_overhead_flags() -> None:
     import argparse
 
