@@ -382,9 +382,15 @@ def resolve(
         from kvcompose import tree as nodes
         from kvcompose.config import ConfigError, load_config
         from kvcompose.config.render import vllm_args
+        from kvcompose.config.source import parse_bytes
 
         try:
-            config = load_config(str(resolved_file), env={}, check_vllm=False)
+            # Read as the user's file (its name in messages, includes beside it); the store
+            # placeholders are replaced within their lines, so the lines are the file's.
+            source = parse_bytes(
+                text.encode(), contender.source, contender.fmt, path=contender.source
+            )
+            config = load_config(source, env={}, check_vllm=False)
             ktc = vllm_args(config)
         except ConfigError as exc:
             raise ContenderError(f"contender {contender.label!r}: {exc}") from None

@@ -168,6 +168,7 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
         tmpfs_root = tmp_owned
     else:
         tmpfs_root = str(store_root / "tmpfs")
+    problems: list[str] = [c.error for c in contenders if c.error]
     for c in contenders:
         if c.error:
             continue
@@ -178,12 +179,13 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
                 disk_root=store_root / "contenders",
                 tmpfs_root=tmpfs_root,
             )
-        except Exception as exc:
-            c.error = (
-                str(exc)
-                if isinstance(exc, cmod.ContenderError)
-                else (f"contender {c.label!r}: {type(exc).__name__}: {exc}")
-            )
+        except cmod.ContenderError as exc:
+            problems.append(str(exc))
+        except Exception as exc:  # its run directory, its text with the store paths in
+            problems.append(f"contender {c.label!r}: {type(exc).__name__}: {exc}")
+    if problems:  # before any engine: a typo should not cost a whole run
+        _cleanup(tmp_owned, store_root, keep=opts.keep_stores)
+        raise BenchError("\n".join(problems))
 
     workloads: dict[int, Workload] = {}
     for seed in opts.seeds:
@@ -253,18 +255,24 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-        if tmp_owned and not opts.keep_stores:
-            shutil.rmtree(tmp_owned, ignore_errors=True)
-        if not opts.keep_stores:
-            shutil.rmtree(store_root / "contenders", ignore_errors=True)
-            shutil.rmtree(store_root / "prepared", ignore_errors=True)
-            with contextlib.suppress(OSError):
-                store_root.rmdir()
+        _cleanup(tmp_owned, store_root, keep=opts.keep_stores)
 
     results.contenders = summarise(contenders, several_runs=len(opts.seeds) * opts.repeats > 1)
     results.meta.duration_s = round(time.perf_counter() - t_start, 1)
     report.write_all(results, out, plots=opts.plots)
     return results
+
+
+def _cleanup(tmp_owned: str | None, store_root: Path, *, keep: bool) -> None:
+    """Remove the run's stores (unless ``--keep-stores``)."""
+    if keep:
+        return
+    if tmp_owned:
+        shutil.rmtree(tmp_owned, ignore_errors=True)
+    shutil.rmtree(store_root / "contenders", ignore_errors=True)
+    shutil.rmtree(store_root / "prepared", ignore_errors=True)
+    with contextlib.suppress(OSError):
+        store_root.rmdir()
 
 
 def round_order(items: list[T], rnd: int) -> list[T]:

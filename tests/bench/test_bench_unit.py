@@ -529,6 +529,23 @@ def test_a_model_directory_that_is_no_model_is_refused_first(
     assert message in err and "internal error" not in err, err
 
 
+def test_contenders_that_cannot_run_are_refused_before_any_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcompose.cli.main import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nkv_role: kv_both\ntree:\n  chain: {name: c, children: []}\n")
+    out = tmp_path / "out"
+    argv = ["bench", "-w", "noreuse", "-c", "none", "-c", "typo", "-c", f"x={bad}"]
+    assert main([*argv, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "contender 'typo': no such file" in err
+    # The user's file and line, not the copy with the store directories filled in.
+    assert f"contender 'x': {bad}:4: tree.chain.children:" in err
+    assert not (out / "runs" / "recompute").exists()  # no engine started
+
+
 def test_overhead_flags() -> None:
     import argparse
 
