@@ -143,14 +143,12 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
     started = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     if opts.repeats < 1:
         raise BenchError(f"--repeats must be at least 1, got {opts.repeats}")
-    out = Path(opts.out_dir).resolve()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / ".kvcompose-write-check").touch()
-        (out / ".kvcompose-write-check").unlink()
-    except OSError as exc:
-        why = "not a directory" if out.exists() and not out.is_dir() else exc.strerror or exc
-        raise BenchError(f"--out {opts.out_dir}: {why}") from None
+    out = _writable_dir(opts.out_dir, "--out")
+    store_root = _writable_dir(opts.store_root, "--store-dir") if opts.store_root else None
+    store_root = store_root or out / "stores"
+    tmpfs_base = opts.tmpfs_root or default_tmpfs_root()
+    if opts.tmpfs_root:
+        _writable_dir(opts.tmpfs_root, "--tmpfs-dir")
     try:
         model_dir = resolve_model(opts.model)
         facts = model_facts(model_dir)
@@ -159,8 +157,6 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
     vocab = facts["vocab_size"]
 
     contenders = _contenders(opts, out)
-    store_root = Path(opts.store_root).resolve() if opts.store_root else out / "stores"
-    tmpfs_base = opts.tmpfs_root or default_tmpfs_root()
     tmp_owned = None
     if tmpfs_base:
         Path(tmpfs_base).mkdir(parents=True, exist_ok=True)
@@ -261,6 +257,20 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
     results.meta.duration_s = round(time.perf_counter() - t_start, 1)
     report.write_all(results, out, plots=opts.plots)
     return results
+
+
+def _writable_dir(path: str, flag: str) -> Path:
+    """``path`` made if needed and written to once, or a ``BenchError`` naming ``flag``:
+    before anything runs, not after the first contender."""
+    where = Path(path).resolve()
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        (where / ".kvcompose-write-check").touch()
+        (where / ".kvcompose-write-check").unlink()
+    except OSError as exc:
+        why = "not a directory" if where.exists() and not where.is_dir() else exc.strerror or exc
+        raise BenchError(f"{flag} {path}: {why}") from None
+    return where
 
 
 def _cleanup(tmp_owned: str | None, store_root: Path, *, keep: bool) -> None:

@@ -491,15 +491,18 @@ def test_bad_numbers_are_usage_errors_before_any_engine(
     assert message in capsys.readouterr().err
 
 
-def test_an_output_directory_that_cannot_be_made_is_refused_first(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("flag", ["--out", "--store-dir", "--tmpfs-dir"])
+def test_a_directory_that_cannot_be_made_is_refused_first(
+    tmp_path: Path, flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from kvcompose.cli.main import main
 
     a_file = tmp_path / "results"
     a_file.write_text("")
-    assert main(["bench", "-w", "noreuse", "-c", "none", "--out", str(a_file)]) == 1
-    assert f"--out {a_file}: not a directory" in capsys.readouterr().err
+    argv = ["bench", "-w", "noreuse", "-c", "none", "--out", str(tmp_path / "out")]
+    assert main([*argv, flag, str(a_file), "--model", str(tmp_path / "no-model")]) == 1
+    # Refused before the model is looked at (and before any engine).
+    assert capsys.readouterr().err == f"kvcompose bench: {flag} {a_file}: not a directory\n"
 
 
 @pytest.mark.parametrize(
