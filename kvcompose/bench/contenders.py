@@ -288,15 +288,19 @@ def parse_contender(arg: str) -> ContenderDef:
     if spec in BUILTIN_CONTENDERS and not os.path.exists(spec):
         return builtin_contender(spec, label)
     path = Path(spec)
-    if not path.is_file():
+    if not path.is_file():  # a FIFO or a device would block or never end
+        why = "not a regular file" if path.exists() else "no such file"
         raise ContenderError(
-            f"contender {arg!r}: no such file (and not none/recompute or "
+            f"contender {arg!r}: {why} (and not none/recompute or "
             f"builtin:NAME with NAME in {', '.join(BUILTIN_CONTENDERS)})"
         )
+    from kvcompose.config import ConfigError
+    from kvcompose.config.source import read_bytes
+
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ContenderError(f"contender {arg!r}: {exc.strerror or exc}") from None
+        text = read_bytes(str(path)).decode("utf-8")  # bounded like any config file
+    except ConfigError as exc:
+        raise ContenderError(f"contender {arg!r}: {exc}") from None
     except UnicodeDecodeError:
         raise ContenderError(f"contender {arg!r}: {path}: not UTF-8 text") from None
     fmt = "json" if path.suffix.lower() == ".json" else "yaml"

@@ -88,10 +88,9 @@ def build_workload(opts: BenchOptions, vocab_size: int, seed: int) -> Workload:
         wl = noreuse_workload(opts.noreuse, vocab_size=vocab_size, seed=seed)
     else:
         path = spec.split(":", 1)[1] if spec.startswith("mooncake:") else spec
-        if not os.path.isfile(path):
-            raise WorkloadError(
-                f"workload {spec!r}: not one of {', '.join(BUILTIN)} and no such file"
-            )
+        if not os.path.isfile(path):  # a FIFO or a device would block or never end
+            why = "not a regular file" if os.path.exists(path) else "no such file"
+            raise WorkloadError(f"workload {spec!r}: not one of {', '.join(BUILTIN)} and {why}")
         wl = load_trace(
             path,
             vocab_size=vocab_size,

@@ -546,6 +546,14 @@ def test_contenders_that_cannot_run_are_refused_before_any_engine(
     assert "contender 'typo': no such file" in err
     # The user's file and line, not the copy with the store directories filled in.
     assert f"contender 'x': {bad}:4: tree.chain.children:" in err
+    # A device or a directory is no contender file (reading /dev/zero would never end).
+    for spec, why in (("/dev/zero", "not a regular file"), (str(tmp_path), "not a regular file")):
+        assert main(["bench", "-w", "noreuse", "-c", spec, "--out", str(out)]) == 1
+        assert f"contender {spec!r}: {why}" in capsys.readouterr().err
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * (3 << 20))
+    assert main(["bench", "-w", "noreuse", "-c", str(big), "--out", str(out)]) == 1
+    assert "too large for a config file" in capsys.readouterr().err
     assert not (out / "runs" / "recompute").exists()  # no engine started
 
 
