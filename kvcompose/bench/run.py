@@ -50,6 +50,7 @@ from kvcompose.bench import contenders as cmod
 from kvcompose.bench import report
 from kvcompose.bench.jobs import Session, default_tmpfs_root, prepare_stores, run_contender
 from kvcompose.bench.options import BenchOptions
+from kvcompose.bench.resolve import resolve
 from kvcompose.bench.results import (
     BenchResults,
     Meta,
@@ -168,7 +169,7 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
         if c.error:
             continue
         try:
-            c.resolved = cmod.resolve(
+            c.resolved = resolve(
                 c.definition,
                 out / "runs" / c.label,
                 disk_root=store_root / "contenders",

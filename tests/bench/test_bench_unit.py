@@ -10,6 +10,7 @@ import pytest
 
 from kvcompose.bench import contenders as cmod
 from kvcompose.bench import metrics
+from kvcompose.bench.resolve import resolve
 from kvcompose.bench.traces import MooncakeParams, load_trace, mooncake_workload, write_trace
 from kvcompose.bench.workloads import (
     ChatParams,
@@ -207,7 +208,7 @@ def test_a_contender_file_name_makes_a_safe_label(tmp_path: Path) -> None:
 def test_resolve_fills_store_dirs(tmp_path: Path) -> None:
     for name in ("disk", "multiconnector", "kvcompose-first"):
         contender = cmod.builtin_contender(name)
-        res = cmod.resolve(
+        res = resolve(
             contender, tmp_path / "run" / name, disk_root=tmp_path / "d", tmpfs_root=tmp_path / "t"
         )
         text = json.dumps(res.kv_transfer_config)
@@ -222,13 +223,13 @@ def test_resolve_fills_store_dirs(tmp_path: Path) -> None:
             prep = fast.prep_config("/x")
             # the fast tier is read-only in the contender, but its preparation writes it
             assert prep["kv_connector_extra_config"] == {"path": "/x"}
-    first = cmod.resolve(
+    first = resolve(
         cmod.builtin_contender("kvcompose-first"),
         tmp_path / "a",
         disk_root=tmp_path / "d",
         tmpfs_root=tmp_path / "t",
     )
-    multi = cmod.resolve(
+    multi = resolve(
         cmod.builtin_contender("multiconnector"),
         tmp_path / "b",
         disk_root=tmp_path / "d",
@@ -249,7 +250,7 @@ def test_resolve_reports_bad_kvcompose_config(tmp_path: Path) -> None:
     )
     contender = cmod.parse_contender(str(bad))
     with pytest.raises(cmod.ContenderError, match="bad"):
-        cmod.resolve(contender, tmp_path / "run", disk_root=tmp_path, tmpfs_root=tmp_path)
+        resolve(contender, tmp_path / "run", disk_root=tmp_path, tmpfs_root=tmp_path)
 
 
 # --------------------------------------------------------------------------- metrics
