@@ -11,6 +11,8 @@ from __future__ import annotations
 
 #: A config file or standard input larger than this is refused before it is parsed.
 MAX_FILE_BYTES = 2 * 1024 * 1024
+#: Seconds a config read from a pipe or FIFO may go without data before it is refused.
+PIPE_WAIT_S = 10.0
 #: Mappings and lists nested deeper than this (a tree of ~30 composite levels).
 MAX_DEPTH = 100
 #: Nodes that YAML aliases (``*name``) and shared Python objects may add to a document

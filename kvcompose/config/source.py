@@ -17,12 +17,15 @@ import errno
 import gc
 import json
 import os
+import select
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 import yaml
 
+from kvcompose.config import limits
 from kvcompose.config.errors import ConfigError, ErrorItem, LineMap
 from kvcompose.config.limits import (
     CLEAR_SYNTAX_ERRORS_BYTES,
@@ -67,18 +70,51 @@ def read_stream(stream: IO[Any], label: str = STDIN) -> Source:
 
 
 def read_bytes(path: str) -> bytes:
-    """A file's bytes; ``ConfigError`` (labelled with the path) when it cannot be read or is
-    larger than ``MAX_FILE_BYTES``."""
+    """A file's bytes; ``ConfigError`` (labelled with the path) when it cannot be read, is
+    larger than ``MAX_FILE_BYTES``, or is a pipe nothing is written to for ``PIPE_WAIT_S``.
+
+    Opened non-blocking: opening a FIFO that no process writes to would wait forever. Pipes
+    are still read (``kvcompose validate <(make-config)``), waiting for each piece of data
+    at most ``PIPE_WAIT_S``."""
     try:
-        with open(path, "rb") as fh:
-            with contextlib.suppress(OSError):
-                size = os.fstat(fh.fileno()).st_size
-                _check_size(size, path)
-            raw = fh.read(MAX_FILE_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb", buffering=0) as fh:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISREG(mode):
+                os.set_blocking(fd, True)
+                _check_size(os.fstat(fd).st_size, path)
+                raw = fh.read(MAX_FILE_BYTES + 1)
+            elif stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+                raw = _read_pipe(fd, path)
+            else:  # a device: /dev/zero is refused by its size, /dev/tty waits like stdin
+                os.set_blocking(fd, True)
+                raw = fh.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError(_os_error(exc), path) from None
     _check_size(len(raw), path)
     return raw
+
+
+def _read_pipe(fd: int, label: str) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size <= MAX_FILE_BYTES:
+        ready, _, _ = select.select([fd], [], [], limits.PIPE_WAIT_S)
+        if not ready:
+            raise ConfigError(
+                f"nothing was written to this pipe for {limits.PIPE_WAIT_S:g} s "
+                "(a FIFO no process writes to?)",
+                label,
+            )
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            continue
+        if not data:  # the writer closed it
+            break
+        chunks.append(data)
+        size += len(data)
+    return b"".join(chunks)
 
 
 def _check_size(size: int, label: str) -> None:

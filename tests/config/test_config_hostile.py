@@ -263,6 +263,40 @@ def test_dev_zero_is_refused() -> None:
     )
 
 
+@pytest.mark.timeout(60)
+def test_a_fifo_is_read_when_written_and_refused_when_nobody_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from kvcompose.config import limits
+
+    monkeypatch.setattr(limits, "PIPE_WAIT_S", 0.5)
+    fifo = tmp_path / "tree.yaml"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    assert load(str(fifo)) == (
+        f"{fifo}: nothing was written to this pipe for 0.5 s (a FIFO no process writes to?)"
+    )
+    assert time.monotonic() - started < 20  # opening it does not wait for a writer
+
+    text = f"version: 1\nkv_role: kv_both\n{LEAF}"
+
+    def write() -> None:
+        time.sleep(0.2)
+        with open(fifo, "w") as fh:
+            fh.write(text[:20])
+            fh.flush()
+            time.sleep(0.2)
+            fh.write(text[20:])
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    config = load_config(str(fifo), env={}, check_vllm=False)
+    writer.join()
+    assert isinstance(config.tree, Leaf)
+
+
 def children_config(n: int) -> str:
     lines = ["version: 1", "kv_role: kv_both", "tree:", "  chain:", "    children:"]
     lines += [
