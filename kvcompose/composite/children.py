@@ -170,5 +170,9 @@ def build_child(
             "(HMA), which is enabled; start vLLM with --disable-hybrid-kv-cache-manager or use "
             "children that support HMA"
         )
-    connector = cls(config, role, kv_cache_config)
+    try:
+        connector = cls(config, role, kv_cache_config)
+    except Exception as exc:  # vLLM shows the error; the note says which node raised it
+        exc.add_note(f"(raised building kvcompose node {node.name!r}, a {cls.__name__})")
+        raise
     return Child(name=node.name, spec=node, connector=connector, saves=node.save)

@@ -598,3 +598,35 @@ def test_a_child_raising_while_loading_fails_only_its_own_load(harness, is_async
     if is_async:
         assert a.lookups("r_a") == 1, "the failed child is skipped on the re-lookup"
     h.assert_clean()
+
+
+def test_a_child_that_cannot_be_built_is_named_in_the_error(harness_factory, tmp_path):
+    # A store whose directory is a file: the store's own OSError goes up unchanged (vLLM
+    # shows it), with a note naming the node, in the inner and the outer composite.
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("")
+    store = {
+        "leaf": {
+            "name": "disk",
+            "connector": "PrefixStoreConnector",
+            "module_path": "kvcompose.stores",
+            "extra_config": {"path": str(a_file)},
+        }
+    }
+    inner = {
+        "leaf": {
+            "name": "inner",
+            "connector": "KVCompose",
+            "module_path": "kvcompose",
+            "extra_config": {"tree": {"chain": {"name": "tiers", "children": [store]}}},
+        }
+    }
+    config = {"kv_connector": "KVCompose", "kv_connector_module_path": "kvcompose",
+              "kv_connector_extra_config": {"tree": {"chain": {"name": "root",
+                                                               "children": [inner]}}}}  # fmt: skip
+    with pytest.raises(FileExistsError) as info:
+        harness_factory(config)
+    assert info.value.__notes__ == [
+        "(raised building kvcompose node 'disk', a PrefixStoreConnector)",
+        "(raised building kvcompose node 'inner', a KVCompose)",
+    ]
