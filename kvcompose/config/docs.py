@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from kvcompose.config import deadline
 from kvcompose.config.env import ENV_CONFIG_FILE, ENV_FIELDS, ENV_PREFIX, ENV_SET
 from kvcompose.config.limits import (
     MAX_ALIAS_NODES,
@@ -22,6 +23,7 @@ from kvcompose.config.limits import (
     MAX_FILE_BYTES,
     MAX_INCLUDE_DEPTH,
     MAX_INT_DIGITS,
+    PIPE_WAIT_S,
     size_text,
 )
 from kvcompose.tree import NAME_PATTERN, VERSION, Chain, Document, Fanout, Leaf, Route, RouteRule
@@ -56,6 +58,10 @@ def render_markdown() -> str:
         max_alias=f"{MAX_ALIAS_NODES:,}",
         max_digits=MAX_INT_DIGITS,
         max_include=MAX_INCLUDE_DEPTH,
+        pipe_s=f"{PIPE_WAIT_S:g}",
+        check_s=f"{deadline.DEFAULT_S:g}",
+        check_env=deadline.ENV,
+        grace_s=f"{deadline.GRACE_S:g}",
     )
     return text
 

@@ -190,11 +190,35 @@ def _error(message: str, status: int, param: str | None = None, body: Any = None
     return JSONResponse(error_body(message, status, param=param), status_code=status)
 
 
+#: The largest request body read (a prompt of a million token ids is about 8 MB); a larger
+#: one is refused with 413 before it is held whole in memory.
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+async def _body(request: Request) -> bytes:
+    too_large = BadRequest(
+        f"the request body is larger than {MAX_BODY_BYTES // (1 << 20)} MiB", status=413
+    )
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():  # also a chunked body with no length
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _parse(request: Request, kind: Kind) -> CompletionBody | ChatBody:
     try:
-        raw = await request.json()
+        raw = json.loads(await _body(request))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise BadRequest("the request body is not valid JSON: nested too deeply") from None
     if not isinstance(raw, dict):
         raise BadRequest("the request body must be a JSON object")
     model = ChatBody if kind == "chat" else CompletionBody

@@ -34,13 +34,13 @@ MODULES = {
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
         time.sleep(10**6)
         """,
+    # The base class, not ExampleConnector: importing that makes vLLM 0.33 (no vllm._C on
+    # CPU) print a warning, which would be a second line on stderr.
     "kvc_hang_later": """
         import time
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
-            ExampleConnector,
-        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-        class StuckConnector(ExampleConnector):
+        class StuckConnector(KVConnectorBase_V1):
             @classmethod
             def requires_piecewise_for_cudagraph(cls, extra_config):
                 time.sleep(10**6)

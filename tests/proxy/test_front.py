@@ -61,6 +61,27 @@ def test_malformed_json_and_a_non_object(bed):
     assert r2.status_code == 400 and "JSON object" in r2.json()["error"]["message"]
 
 
+def test_a_huge_or_deeply_nested_body_is_refused(bed):
+    from kvcompose.proxy.app import MAX_BODY_BYTES
+
+    huge = b'{"prompt": "' + b"w" * MAX_BODY_BYTES + b'"}'
+
+    def chunked():  # no Content-Length: the proxy counts what it reads
+        for i in range(0, len(huge), 1 << 20):
+            yield huge[i : i + (1 << 20)]
+
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with bed.client() as c:
+        sized = c.post("/v1/completions", content=huge)
+        streamed = c.post("/v1/completions", content=chunked())
+        nested = c.post("/v1/completions", content=deep)
+    for resp in (sized, streamed):
+        assert resp.status_code == 413, resp.text[:200]
+        assert "larger than 32 MiB" in resp.json()["error"]["message"]
+    assert nested.status_code == 400 and "nested too deeply" in nested.json()["error"]["message"]
+    assert not [r for s in bed.all() for r in s.requests]  # nothing reached a backend
+
+
 def test_models_health_metrics(bed):
     with bed.client() as c:
         assert c.get("/v1/models").json()["data"][0]["id"] == MODEL
