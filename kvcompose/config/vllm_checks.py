@@ -203,8 +203,9 @@ def _user_code(config: Any, where: tuple, what: str, seconds: float) -> Iterator
         ) from None
 
 
-#: How to allow the checks more time, for the messages.
-_MORE_TIME = "KVCOMPOSE_CHECK_TIMEOUT=SECONDS allows longer, --offline skips them"
+#: How to allow the checks more time, for the messages (not the CLI's ``--offline``: the
+#: same checks run inside vLLM, which has no such flag).
+_MORE_TIME = "KVCOMPOSE_CHECK_TIMEOUT=SECONDS allows longer"
 
 
 def _import(config: Any, where: tuple, name: str) -> ModuleType:

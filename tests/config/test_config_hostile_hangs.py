@@ -5,13 +5,16 @@ a one-line error within the limit of :mod:`kvcompose.config.deadline`, never in 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
-from config_helpers import needs_vllm
+from config_helpers import ROOT, needs_vllm
 from hostile_helpers import assert_clean_error, cli
 
 from kvcompose.config.deadline import UserCodeTimeout, limit_s, time_limit
@@ -55,7 +58,7 @@ MODULES = {
         """,
 }
 LIMIT = {"KVCOMPOSE_CHECK_TIMEOUT": "2"}
-MORE_TIME = "KVCOMPOSE_CHECK_TIMEOUT=SECONDS allows longer, --offline skips them"
+MORE_TIME = "KVCOMPOSE_CHECK_TIMEOUT=SECONDS allows longer"
 
 
 @pytest.fixture
@@ -90,6 +93,29 @@ def test_a_module_that_never_finishes_importing(modules: Path, module: str) -> N
     )
     for verb in ("explain", "vllm-args") if module == "kvc_hang_sleeps" else ("explain",):
         assert_clean_error(run(modules, verb, name), expected)
+
+
+@needs_vllm
+@pytest.mark.timeout(300)
+def test_inside_vllm_the_same_checks_end_in_a_config_error(modules: Path) -> None:
+    # What vLLM's engine does with kv_connector_extra_config, in a process of its own (where
+    # no pytest-timeout owns SIGALRM).
+    code = (
+        "from kvcompose.config import ConfigError, tree_from_extra_config\n"
+        "extra = {'tree': {'leaf': {'connector': 'C', 'module_path': 'kvc_hang_sleeps'}}}\n"
+        "try:\n"
+        "    tree_from_extra_config(extra, env={}, check_vllm=True)\n"
+        "except ConfigError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, **LIMIT, "PYTHONPATH": os.pathsep.join([str(ROOT), str(modules)])}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=modules, env=env, capture_output=True, timeout=150
+    )
+    assert proc.stdout.decode().strip() == (
+        "kv_connector_extra_config: tree.leaf.module_path: importing module 'kvc_hang_sleeps' "
+        f"did not finish within 2 s ({MORE_TIME})"
+    ), proc.stderr.decode()[-2000:]
 
 
 @needs_vllm
