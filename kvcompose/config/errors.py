@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcompose.config.limits import MAX_LISTED, MAX_MESSAGE, MAX_SHOWN
+from kvcompose.config.limits import MAX_LABEL, MAX_LISTED, MAX_MESSAGE, MAX_SHOWN
 from kvcompose.tree import describe
 
 __all__ = [
@@ -91,7 +91,7 @@ class ErrorItem:
     def render(self, label: str | None = None) -> str:
         where = format_path(self.path)
         head = ""
-        if label:
+        if label is not None and (label := _short_label(label)):
             head = f"{label}:{self.line}: " if self.line else f"{label}: "
         elif self.line:
             head = f"line {self.line}: "
@@ -138,6 +138,17 @@ class ConfigError(ValueError):
             [ErrorItem(i.path, i.message, i.line or line_for(linemap, i.path)) for i in self.items],
             self.label,
         )
+
+
+def _short_label(label: str) -> str:
+    """A file name as messages show it: ``''`` for an empty one, a very long one cut in the
+    middle (its end names the file), so that the message after it is never cut off."""
+    if not label:
+        return "''"
+    if len(label) <= MAX_LABEL:
+        return label
+    half = (MAX_LABEL - 3) // 2
+    return f"{label[:half]}...{label[-half:]}"
 
 
 def _one_line(text: str) -> str:

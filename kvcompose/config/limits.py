@@ -22,6 +22,8 @@ MAX_ALIAS_NODES = 100_000
 MAX_INT_DIGITS = 100
 #: Configs that include configs (``config: FILE`` of nested KVCompose leaves).
 MAX_INCLUDE_DEPTH = 16
+#: Characters of a file name in a message (a longer one is cut in the middle).
+MAX_LABEL = 200
 #: Characters of a value echoed in a message, and of a whole message.
 MAX_SHOWN = 60
 MAX_MESSAGE = 1000

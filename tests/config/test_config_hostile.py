@@ -297,6 +297,19 @@ def test_a_fifo_is_read_when_written_and_refused_when_nobody_writes(
     assert isinstance(config.tree, Leaf)
 
 
+def test_a_long_or_empty_file_name_never_hides_the_reason(tmp_path: Path) -> None:
+    from kvcompose.config.limits import MAX_LABEL
+
+    long_name = "x" * 5000
+    line = assert_clean_error(cli("validate", long_name, cwd=tmp_path))
+    assert line.endswith("x: cannot read: File name too long"), line
+    assert len(line) < MAX_LABEL + 60
+    deep = "d/" * 1000 + "tree.yaml"
+    line = assert_clean_error(cli("validate", deep, cwd=tmp_path))
+    assert line.startswith("d/d/") and line.endswith("d/tree.yaml: no such file"), line
+    assert_clean_error(cli("validate", "", cwd=tmp_path), "'': no such file")
+
+
 def children_config(n: int) -> str:
     lines = ["version: 1", "kv_role: kv_both", "tree:", "  chain:", "    children:"]
     lines += [
