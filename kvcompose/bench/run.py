@@ -156,6 +156,12 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
         raise BenchError(str(exc)) from None
     vocab = facts["vocab_size"]
 
+    workloads: dict[int, Workload] = {}
+    for seed in opts.seeds:
+        try:
+            workloads[seed] = build_workload(opts, vocab, seed)
+        except WorkloadError as exc:
+            raise BenchError(str(exc)) from None
     contenders = _contenders(opts, out)
     tmp_owned = None
     if tmpfs_base:
@@ -183,12 +189,6 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
         _cleanup(tmp_owned, store_root, keep=opts.keep_stores)
         raise BenchError("\n".join(problems))
 
-    workloads: dict[int, Workload] = {}
-    for seed in opts.seeds:
-        try:
-            workloads[seed] = build_workload(opts, vocab, seed)
-        except WorkloadError as exc:
-            raise BenchError(str(exc)) from None
     first = workloads[opts.seeds[0]]
     write_trace(first, out / "workload.jsonl")
     results = BenchResults(
