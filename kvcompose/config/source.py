@@ -78,7 +78,7 @@ def read_bytes(path: str) -> bytes:
     at most ``PIPE_WAIT_S``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        with open(fd, "rb", buffering=0) as fh:
+        with open(fd, "rb") as fh:
             mode = os.fstat(fd).st_mode
             if stat.S_ISREG(mode):
                 os.set_blocking(fd, True)
@@ -98,9 +98,10 @@ def read_bytes(path: str) -> bytes:
 def _read_pipe(fd: int, label: str) -> bytes:
     chunks: list[bytes] = []
     size = 0
+    poller = select.poll()  # not select(): no limit on the descriptor's number
+    poller.register(fd, select.POLLIN)
     while size <= MAX_FILE_BYTES:
-        ready, _, _ = select.select([fd], [], [], limits.PIPE_WAIT_S)
-        if not ready:
+        if not poller.poll(limits.PIPE_WAIT_S * 1000):
             raise ConfigError(
                 f"nothing was written to this pipe for {limits.PIPE_WAIT_S:g} s "
                 "(a FIFO no process writes to?)",
