@@ -119,6 +119,44 @@ def test_inside_vllm_the_same_checks_end_in_a_config_error(modules: Path) -> Non
 
 
 @needs_vllm
+@pytest.mark.engine
+@pytest.mark.timeout(400)
+def test_a_real_engine_fails_to_start_instead_of_hanging(modules: Path, tiny_model: Path) -> None:
+    # vLLM's own engine process (multiprocessing on): its EngineCore runs the checks.
+    code = (
+        "import sys\n"
+        "from kvcompose.engine.llm import make_llm\n"
+        "extra = {'tree': {'leaf': {'connector': 'C', 'module_path': 'kvc_hang_sleeps'}}}\n"
+        "cfg = {'kv_connector': 'KVCompose', 'kv_connector_module_path': 'kvcompose',\n"
+        "       'kv_connector_extra_config': extra}\n"
+        "try:\n"
+        "    with make_llm(sys.argv[1], cfg):\n"
+        "        print('started')\n"
+        "except RuntimeError as exc:\n"
+        "    print('failed:', exc)\n"
+    )
+    env = {
+        **os.environ,
+        **LIMIT,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(modules)]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_model)],
+        cwd=modules,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert "failed: Engine core initialization failed" in out, (out[-3000:], err[-3000:])
+    assert (
+        "ConfigError: kv_connector_extra_config: tree.leaf.module_path: importing module "
+        f"'kvc_hang_sleeps' did not finish within 2 s ({MORE_TIME})"
+    ) in err, err[-3000:]
+
+
+@needs_vllm
 @pytest.mark.timeout(300)
 def test_validate_check_vllm_and_a_class_method_that_never_returns(modules: Path) -> None:
     name = leaf_file(modules, "StuckConnector", "kvc_hang_later")
