@@ -1,6 +1,6 @@
 """The Mooncake conversation trace through a small fast tier and a larger slow tier
-(issue 14): recompute, the slow tier alone, fast + slow ``first`` and ``longest``, with
-admission, with promotion, with both.
+(issue 14): recompute, the slow tier alone, the fast tier alone (unbounded), fast + slow
+``first`` and ``longest``, with admission, with promotion, with both.
 
 **Scaling to two cores.** The trace has 12,031 requests over an hour; every request starts
 with the same block (hash id 0), and the rest of its reuse comes from earlier turns of the
@@ -239,6 +239,9 @@ def contenders(info: dict[str, Any], out: Path, admit_min_seen: int = 3) -> list
     files = {
         "slow": "version: 1\nkv_role: kv_both\ntree:\n  chain:\n    name: tiers\n"
         "    children:\n" + leaf("slow", "{store:slow}", **slow),
+        # The fast tier alone and unbounded: with "slow", which tier serves a hit, alone.
+        "fast-only": "version: 1\nkv_role: kv_both\ntree:\n  chain:\n    name: tiers\n"
+        "    children:\n" + leaf("fast", "{tmpfs:fast}", medium="tmpfs", **bg),
         "first": chain("first", fast, slow),
         "longest": chain("longest", fast, slow),
         "longest-sync": chain("longest", {"medium": "tmpfs", "max_bytes": cap}, {"medium": "disk"}),
