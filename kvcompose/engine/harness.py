@@ -41,7 +41,7 @@ from kvcompose.engine.harness_worker import (
     make_worker_connectors,
     run_worker_steps,
 )
-from kvcompose.engine.kv_cache import make_kv_cache_configs
+from kvcompose.engine.kv_cache import make_kv_cache_configs, make_vllm_config
 
 #: First token id the harness "samples" from (ids below are the tiny model's special tokens).
 _FIRST_SAMPLED_ID = 4
@@ -77,43 +77,24 @@ class SchedulerHarness:
         enable_prefix_caching: bool = True,
         layer_calls: bool = False,
     ) -> None:
-        from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-        from vllm.engine.arg_utils import EngineArgs
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.model_dir = Path(model_dir)
         self.num_blocks = num_blocks
-        ktc = None
-        if kv_transfer_config is not None:
-            cfg = dict(kv_transfer_config)
-            cfg.setdefault("kv_role", "kv_both")
-            if kv_load_failure_policy is not None:
-                cfg["kv_load_failure_policy"] = kv_load_failure_policy
-            ktc = KVTransferConfig(**cfg)
-        elif kv_load_failure_policy is not None:
-            raise ValueError("kv_load_failure_policy needs a kv_transfer_config")
-
-        # vLLM refuses a cache that cannot hold one max_model_len request (the null block
-        # aside); with a small pool, shrink max_model_len as a user would have to.
-        max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
-        args = EngineArgs(
-            model=str(self.model_dir),
-            skip_tokenizer_init=True,
-            dtype="float32",
-            seed=0,
-            enforce_eager=True,
+        self.vllm_config = make_vllm_config(
+            self.model_dir,
+            kv_transfer_config,
+            kv_load_failure_policy=kv_load_failure_policy,
             block_size=block_size,
+            num_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
-            num_gpu_blocks_override=num_blocks,
-            kv_transfer_config=ktc,
         )
-        self.vllm_config = args.create_engine_config()
         worker_kv_cache_config, self.kv_cache_config, sched_block_size, hash_block_size = (
             make_kv_cache_configs(self.vllm_config, num_blocks)
         )

@@ -1,4 +1,5 @@
-"""The KV cache configuration ``EngineCore`` would build, made without a model.
+"""The engine configuration and the KV cache configuration ``EngineCore`` would build,
+made without a model.
 
 ``SchedulerHarness`` needs vLLM's real ``KVCacheConfig`` (block counts, layout, hash block
 size) to build a real ``Scheduler``; these follow ``EngineCore._initialize_kv_caches`` with
@@ -7,6 +8,7 @@ per-layer attention specs taken from the model config, on vLLM 0.32 and 0.33.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -72,3 +74,49 @@ def make_kv_cache_configs(vllm_config: Any, num_blocks: int) -> tuple[Any, Any, 
         if align is not None and hasattr(cfg, "cache_hit_alignment_tokens"):
             cfg.cache_hit_alignment_tokens = align
     return worker_configs[0], sched_config, sched_block_size, hash_block_size
+
+
+def make_vllm_config(
+    model_dir: Path,
+    kv_transfer_config: dict[str, Any] | None,
+    *,
+    kv_load_failure_policy: str | None,
+    block_size: int,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    enable_prefix_caching: bool,
+) -> Any:
+    """The ``VllmConfig`` of a tokenizer-less, eager, float32 engine over ``model_dir`` with
+    a pool of ``num_blocks`` (``kv_role`` defaults to ``kv_both``)."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    ktc = None
+    if kv_transfer_config is not None:
+        cfg = dict(kv_transfer_config)
+        cfg.setdefault("kv_role", "kv_both")
+        if kv_load_failure_policy is not None:
+            cfg["kv_load_failure_policy"] = kv_load_failure_policy
+        ktc = KVTransferConfig(**cfg)
+    elif kv_load_failure_policy is not None:
+        raise ValueError("kv_load_failure_policy needs a kv_transfer_config")
+    # vLLM refuses a cache that cannot hold one max_model_len request (the null block
+    # aside); with a small pool, shrink max_model_len as a user would have to.
+    max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
+    args = EngineArgs(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        enforce_eager=True,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
+        num_gpu_blocks_override=num_blocks,
+        kv_transfer_config=ktc,
+    )
+    return args.create_engine_config()
