@@ -48,7 +48,10 @@ class RequestCondition(BaseModel):
         None, ge=0, description="The prompt must have at most this many tokens."
     )
     predicate: str | None = Field(
-        None, description="`package.module:function`, called as `function(request) -> bool`."
+        None,
+        description="`package.module:function`, called as `function(request) -> bool` inside "
+        "the scheduler's step, at each lookup of the request: it must be quick and must not "
+        "block (nothing times it there). One that raises is no match, logged once per rule.",
     )
 
     @property
