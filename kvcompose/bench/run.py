@@ -144,11 +144,12 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
     if opts.repeats < 1:
         raise BenchError(f"--repeats must be at least 1, got {opts.repeats}")
     out = _writable_dir(opts.out_dir, "--out")
-    store_root = _writable_dir(opts.store_root, "--store-dir") if opts.store_root else None
-    store_root = store_root or out / "stores"
-    tmpfs_base = opts.tmpfs_root or default_tmpfs_root()
-    if opts.tmpfs_root:
-        _writable_dir(opts.tmpfs_root, "--tmpfs-dir")
+    store_root = (
+        _writable_dir(opts.store_root, "--store-dir") if opts.store_root else out / "stores"
+    )
+    tmpfs_base = (
+        _writable_dir(opts.tmpfs_root, "--tmpfs-dir") if opts.tmpfs_root else default_tmpfs_root()
+    )
     try:
         model_dir = resolve_model(opts.model)
         facts = model_facts(model_dir)
@@ -162,7 +163,7 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
             workloads[seed] = build_workload(opts, vocab, seed)
         except WorkloadError as exc:
             raise BenchError(str(exc)) from None
-    contenders = _contenders(opts, out)
+    contenders, problems = _contenders(opts, out)
     tmp_owned = None
     if tmpfs_base:
         Path(tmpfs_base).mkdir(parents=True, exist_ok=True)
@@ -170,10 +171,7 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
         tmpfs_root = tmp_owned
     else:
         tmpfs_root = str(store_root / "tmpfs")
-    problems: list[str] = [c.error for c in contenders if c.error]
     for c in contenders:
-        if c.error:
-            continue
         try:
             c.resolved = resolve(
                 c.definition,
@@ -211,7 +209,6 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
         )
     )
 
-    runnable = [c for c in contenders if c.resolved is not None]
     con = console if console is not None else Console(emoji=False)
     previous = _exit_on_sigterm()
     try:
@@ -226,20 +223,20 @@ def run_bench(opts: BenchOptions, console: Any = None) -> BenchResults:
         ) as prog:
             session = Session(opts, model_dir, out, store_root, prog)
             rounds = opts.repeats
-            total = len(opts.seeds) * (1 + rounds * len(runnable))
+            total = len(opts.seeds) * (1 + rounds * len(contenders))
             overall = prog.add_task("kvcompose bench", total=total)
             session.note(
-                f"kvcompose bench: {len(runnable)} contenders x {rounds} rounds x "
+                f"kvcompose bench: {len(contenders)} contenders x {rounds} rounds x "
                 f"{len(opts.seeds)} seeds, {first.name} workload of {len(first.requests)} "
                 f"requests; engine logs under {out / 'runs'}"
             )
             for seed in opts.seeds:
                 wl = workloads[seed]
-                prepared = prepare_stores(session, runnable, wl, seed, results)
+                prepared = prepare_stores(session, contenders, wl, seed, results)
                 prog.advance(overall)
                 warm = warmup_prompts(wl, opts.warmup_requests, vocab, seed)
                 for rnd in range(rounds):
-                    for c in round_order(runnable, rnd):
+                    for c in round_order(contenders, rnd):
                         res = run_contender(session, c, wl, warm, seed, rnd, prepared)
                         c.runs.append(res)
                         prog.advance(overall)
@@ -291,23 +288,20 @@ def round_order(items: list[T], rnd: int) -> list[T]:
     return items[k:] + items[:k]
 
 
-def _contenders(opts: BenchOptions, out: Path) -> list[Contender]:
+def _contenders(opts: BenchOptions, out: Path) -> tuple[list[Contender], list[str]]:
+    """The contenders given (or the built-in ones), and why those that cannot be read fail."""
     specs = list(opts.contenders) or list(cmod.DEFAULT_CONTENDERS)
     found: list[Contender] = []
+    problems: list[str] = []
     for arg in specs:
         try:
             found.append(Contender(definition=cmod.parse_contender(arg)))
         except cmod.ContenderError as exc:
-            found.append(
-                Contender(
-                    definition=cmod.ContenderDef(label=_label_of(arg), source=arg, kind="invalid"),
-                    error=str(exc),
-                )
-            )
+            problems.append(str(exc))
     cmod.unique_labels([c.definition for c in found])
     if not opts.contenders:
         cmod.write_builtin_contenders(out / "contenders")
-    return found
+    return found, problems
 
 
 def _exit_on_sigterm() -> Any:
@@ -320,8 +314,3 @@ def _exit_on_sigterm() -> Any:
         raise SystemExit(128 + signum)
 
     return signal.signal(signal.SIGTERM, handler)
-
-
-def _label_of(arg: str) -> str:
-    head, sep, _ = arg.partition("=")
-    return cmod.safe_label(head if sep and head else Path(arg).stem)

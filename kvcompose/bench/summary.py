@@ -18,7 +18,6 @@ class Contender:
 
     definition: ContenderDef
     resolved: ResolvedContender | None = None
-    error: str | None = None
     runs: list[RunResult] = field(default_factory=list)
 
     @property
@@ -67,10 +66,10 @@ def summarise(contenders: list[Contender], *, several_runs: bool) -> list[Conten
             kv_transfer_config=c.resolved.kv_transfer_config if c.resolved else None,
         )
         failed = [r for r in c.runs if not r.ok]
-        if c.error or not c.runs or len(failed) == len(c.runs):
+        if not c.runs or len(failed) == len(c.runs):
             entry.status = "failed"
             first = failed[0] if failed else None
-            entry.error = c.error or (first.error if first else None) or "did not run"
+            entry.error = (first.error if first else None) or "did not run"
             entry.log = first.log if first else None
             out.append(entry)
             continue

@@ -34,7 +34,11 @@ GRACE_S = 5.0
 
 
 class UserCodeTimeout(BaseException):
-    """The user's code ran past the limit (raised inside it by the timer)."""
+    """The user's code ran past the limit of ``seconds`` (raised inside it by the timer)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds)
+        self.seconds = seconds
 
 
 def limit_s() -> float:
@@ -65,7 +69,7 @@ def time_limit(seconds: float, what: str) -> Iterator[None]:
         return
 
     def fire(signum: int, frame: object) -> None:
-        raise UserCodeTimeout
+        raise UserCodeTimeout(seconds)
 
     done = threading.Event()
     watchdog = threading.Thread(

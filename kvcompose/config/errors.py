@@ -91,7 +91,8 @@ class ErrorItem:
     def render(self, label: str | None = None) -> str:
         where = format_path(self.path)
         head = ""
-        if label is not None and (label := _short_label(label)):
+        if label is not None:
+            label = _short_label(label)
             head = f"{label}:{self.line}: " if self.line else f"{label}: "
         elif self.line:
             head = f"line {self.line}: "

@@ -79,15 +79,13 @@ def read_bytes(path: str) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         with open(fd, "rb") as fh:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISREG(mode):
-                os.set_blocking(fd, True)
-                _check_size(os.fstat(fd).st_size, path)
-                raw = fh.read(MAX_FILE_BYTES + 1)
-            elif stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            st = os.fstat(fd)
+            if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
                 raw = _read_pipe(fd, path)
-            else:  # a device: /dev/zero is refused by its size, /dev/tty waits like stdin
+            else:  # a device reads like a file: /dev/zero is cut by the bound, /dev/tty waits
                 os.set_blocking(fd, True)
+                if stat.S_ISREG(st.st_mode):
+                    _check_size(st.st_size, path)
                 raw = fh.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError(_os_error(exc), path) from None

@@ -197,9 +197,9 @@ def _user_code(config: Any, where: tuple, what: str, seconds: float) -> Iterator
         raise config.error(
             where, f"{what}: its code called sys.exit({exc.code!r}) while being checked"
         ) from None
-    except UserCodeTimeout:  # the timer fired outside an import
+    except UserCodeTimeout as exc:  # the timer fired outside an import
         raise config.error(
-            where, f"{what}: its checks did not finish within {seconds:g} s ({_MORE_TIME})"
+            where, f"{what}: its checks did not finish within {exc.seconds:g} s ({_MORE_TIME})"
         ) from None
 
 
@@ -217,10 +217,10 @@ def _import(config: Any, where: tuple, name: str) -> ModuleType:
                 where,
                 f"cannot import module {shown(name)}: it calls sys.exit({exc.code!r}) on import",
             ) from None
-        except UserCodeTimeout:
+        except UserCodeTimeout as exc:
             raise config.error(
                 where,
-                f"importing module {shown(name)} did not finish within {limit_s():g} s "
+                f"importing module {shown(name)} did not finish within {exc.seconds:g} s "
                 f"({_MORE_TIME})",
             ) from None
         except Exception as exc:

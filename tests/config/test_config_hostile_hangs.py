@@ -82,6 +82,26 @@ def run(directory: Path, *args: str, env: dict[str, str] = LIMIT) -> tuple[int, 
     return cli(*args, cwd=directory, env=env, pythonpath=(str(directory),), timeout=150)
 
 
+#: The hanging module as a leaf of ``kv_connector_extra_config``, and the error it must give.
+HANGING_EXTRA = "{'tree': {'leaf': {'connector': 'C', 'module_path': 'kvc_hang_sleeps'}}}"
+HANGING_ERROR = (
+    "kv_connector_extra_config: tree.leaf.module_path: importing module 'kvc_hang_sleeps' "
+    f"did not finish within 2 s ({MORE_TIME})"
+)
+
+
+def python(directory: Path, code: str, *args: str, **env: str) -> tuple[str, str]:
+    """``python -c CODE ARGS`` in a fresh process (where no pytest-timeout owns SIGALRM),
+    the modules importable, the limit set as in ``run`` -> (stdout, stderr)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KVCOMPOSE_")}
+    environ.update(LIMIT, PYTHONPATH=os.pathsep.join([str(ROOT), str(directory)]), **env)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=directory, env=environ, capture_output=True,
+        timeout=300,
+    )  # fmt: skip
+    return proc.stdout.decode(), proc.stderr.decode()
+
+
 @needs_vllm
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("module", ["kvc_hang_sleeps", "kvc_hang_spins", "kvc_hang_swallows"])
@@ -98,24 +118,16 @@ def test_a_module_that_never_finishes_importing(modules: Path, module: str) -> N
 @needs_vllm
 @pytest.mark.timeout(300)
 def test_inside_vllm_the_same_checks_end_in_a_config_error(modules: Path) -> None:
-    # What vLLM's engine does with kv_connector_extra_config, in a process of its own (where
-    # no pytest-timeout owns SIGALRM).
-    code = (
+    # What vLLM's engine does with kv_connector_extra_config.
+    out, err = python(
+        modules,
         "from kvcompose.config import ConfigError, tree_from_extra_config\n"
-        "extra = {'tree': {'leaf': {'connector': 'C', 'module_path': 'kvc_hang_sleeps'}}}\n"
         "try:\n"
-        "    tree_from_extra_config(extra, env={}, check_vllm=True)\n"
+        f"    tree_from_extra_config({HANGING_EXTRA}, env={{}}, check_vllm=True)\n"
         "except ConfigError as exc:\n"
-        "    print(exc)\n"
+        "    print(exc)\n",
     )
-    env = {**os.environ, **LIMIT, "PYTHONPATH": os.pathsep.join([str(ROOT), str(modules)])}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=modules, env=env, capture_output=True, timeout=150
-    )
-    assert proc.stdout.decode().strip() == (
-        "kv_connector_extra_config: tree.leaf.module_path: importing module 'kvc_hang_sleeps' "
-        f"did not finish within 2 s ({MORE_TIME})"
-    ), proc.stderr.decode()[-2000:]
+    assert out.strip() == HANGING_ERROR, err[-2000:]
 
 
 @needs_vllm
@@ -123,37 +135,22 @@ def test_inside_vllm_the_same_checks_end_in_a_config_error(modules: Path) -> Non
 @pytest.mark.timeout(400)
 def test_a_real_engine_fails_to_start_instead_of_hanging(modules: Path, tiny_model: Path) -> None:
     # vLLM's own engine process (multiprocessing on): its EngineCore runs the checks.
-    code = (
+    out, err = python(
+        modules,
         "import sys\n"
         "from kvcompose.engine.llm import make_llm\n"
-        "extra = {'tree': {'leaf': {'connector': 'C', 'module_path': 'kvc_hang_sleeps'}}}\n"
         "cfg = {'kv_connector': 'KVCompose', 'kv_connector_module_path': 'kvcompose',\n"
-        "       'kv_connector_extra_config': extra}\n"
+        f"       'kv_connector_extra_config': {HANGING_EXTRA}}}\n"
         "try:\n"
         "    with make_llm(sys.argv[1], cfg):\n"
         "        print('started')\n"
         "except RuntimeError as exc:\n"
-        "    print('failed:', exc)\n"
+        "    print('failed:', exc)\n",
+        str(tiny_model),
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
     )
-    env = {
-        **os.environ,
-        **LIMIT,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(modules)]),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(tiny_model)],
-        cwd=modules,
-        env=env,
-        capture_output=True,
-        timeout=300,
-    )
-    out, err = proc.stdout.decode(), proc.stderr.decode()
     assert "failed: Engine core initialization failed" in out, (out[-3000:], err[-3000:])
-    assert (
-        "ConfigError: kv_connector_extra_config: tree.leaf.module_path: importing module "
-        f"'kvc_hang_sleeps' did not finish within 2 s ({MORE_TIME})"
-    ) in err, err[-3000:]
+    assert f"ConfigError: {HANGING_ERROR}" in err, err[-3000:]
 
 
 @needs_vllm
