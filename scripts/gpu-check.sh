@@ -5,7 +5,7 @@
 # load); its argument parsing, configs, commands, workload and metric reading are checked
 # by tests/test_gpu_check.py, the GPU run itself has never happened. Expect to fix things.
 #
-# What it does (kvcompose/testing/gpu_check.py has the details):
+# What it does (scripts/gpu_check.py has the details):
 #   1. a baseline vLLM engine without connectors serves a prefix-heavy workload (greedy);
 #   2. a prefill engine P (NixlConnector) and a decode engine D (kvcompose chain
 #      [NixlConnector, LMCacheConnectorV1]) share the GPU; round 1 goes P -> D over NIXL,
@@ -18,7 +18,7 @@
 #     --install    create DIR (default .venv-gpu) with uv (pip if uv cannot be had) and
 #                  install vLLM, LMCache, NIXL and kvcompose into it (the pins below)
 #     --venv DIR   the environment to use (with --install: to create)
-#   GPU-CHECK ARGS go to `python -m kvcompose.testing.gpu_check` (see its --help), e.g.
+#   GPU-CHECK ARGS go to `python scripts/gpu_check.py` (see its --help), e.g.
 #     --model Qwen/Qwen2.5-0.5B-Instruct --dtype auto, --requests 16, --dry-run
 #   Without --install the environment must already have vLLM, LMCache and NIXL (CUDA builds).
 # Budget: under 8 minutes including installs (uv, a warm wheel cache helps), the tiny model.
@@ -76,6 +76,6 @@ fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false
 status=0
-"$PYTHON" -m kvcompose.testing.gpu_check --python "$PYTHON" ${ARGS[@]+"${ARGS[@]}"} || status=$?
+"$PYTHON" "$REPO/scripts/gpu_check.py" --python "$PYTHON" ${ARGS[@]+"${ARGS[@]}"} || status=$?
 echo "[gpu-check] total $((SECONDS - start)) s"
 exit "$status"

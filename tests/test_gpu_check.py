@@ -1,20 +1,34 @@
-"""The CPU-checkable parts of ``scripts/gpu-check.sh`` (``kvcompose.testing.gpu_check``):
+"""The CPU-checkable parts of ``scripts/gpu-check.sh`` (``scripts/gpu_check.py``):
 arguments, the P and D configs, the engine commands, the workload, reading the metrics.
 The GPU run itself has not been made (no GPU on these machines)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from kvcompose.config import load_config
-from kvcompose.testing import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(path: Path) -> ModuleType:
+    """Import a script of ``scripts/`` (not a package) by its path."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _script(ROOT / "scripts" / "gpu_check.py")
 
 
 def test_defaults_fit_two_engines_and_the_tiny_model() -> None:

@@ -1,5 +1,8 @@
 """The one-go GPU check behind ``scripts/gpu-check.sh``: NIXL P/D with LMCache on D.
 
+A script, not library code: ``scripts/gpu-check.sh`` runs it as ``python
+scripts/gpu_check.py`` with the checkout on ``PYTHONPATH``.
+
 NOT YET RUN ON A GPU: written on CPU-only machines, where LMCache cannot store or load. The
 parts that need no GPU (arguments, configs, commands, the workload, reading the metrics)
 are checked by ``tests/test_gpu_check.py``; the run itself has never happened.
