@@ -2,15 +2,18 @@
 
     flock /tmp/kvcompose-engine.lock python benchmarks/scheduler_overhead.py [args]
 
-is ``kvcompose bench --overhead --out benchmarks/results/overhead``: vLLM's real scheduler
-drives 1,000 and 4,000 concurrent requests through no connector, one no-op connector called
-directly, vLLM's MultiConnector over 2 and 4 no-op children, and a kvcompose chain over 2 and 4
-(see ``kvcompose.bench.overhead``), and writes ``overhead.md``: the in-connector ratios issue 15
-sets its goals in, median (range) over the rounds. About 2 minutes on 2 cores; no model runs.
+vLLM's real scheduler drives 1,000 and 4,000 concurrent requests through no connector, one
+no-op connector called directly, vLLM's MultiConnector over 2 and 4 no-op children, a
+kvcompose chain over 2 and 4, and a bare forwarding composite over 2 and 4 (see
+``overhead/measure.py``), and writes ``overhead.json`` and ``overhead.md``: the in-connector
+ratios issue 15 sets its goals in, median (range) over the rounds. About 2 minutes on 2
+cores; no model runs. ``--help`` lists the options (``--requests 16 --repeats 1`` is a
+quick check).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -21,14 +24,38 @@ GOALS = (
     "child called directly at 4."
 )
 
-if __name__ == "__main__":
-    from kvcompose.bench.overhead_report import markdown
-    from kvcompose.bench.results import OverheadResult
-    from kvcompose.cli.main import main
 
-    code = main(["bench", "--overhead", "--out", str(OUT), *sys.argv[1:]])
-    if code == 0:
-        result = OverheadResult.model_validate_json((OUT / "overhead.json").read_text())
-        (OUT / "overhead.md").write_text(markdown(result, GOALS))
-        print((OUT / "overhead.md").read_text())
-    raise SystemExit(code)
+def parser() -> argparse.ArgumentParser:
+    from overhead.measure import OverheadOptions
+
+    from kvcompose.bench.flags import add_flags
+
+    ap = argparse.ArgumentParser(prog="scheduler_overhead.py", description=__doc__.split("\n\n")[0])
+    add_flags(ap, OverheadOptions)
+    ap.add_argument("--model-dir", default=None, help="default: the tiny test model")
+    ap.add_argument("--out", type=Path, default=OUT, help=f"results directory (default {OUT})")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from overhead.measure import OverheadOptions, run_overhead
+    from overhead.report import markdown, table
+    from rich.console import Console
+
+    from kvcompose.bench.flags import build
+
+    args = parser().parse_args(argv)
+    opts = build(OverheadOptions, args, model_dir=args.model_dir)
+    progress = None if args.quiet else Console(stderr=True, highlight=False)
+    result = run_overhead(opts, progress=progress)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overhead.json").write_text(result.model_dump_json(indent=1) + "\n")
+    (args.out / "overhead.md").write_text(markdown(result, GOALS))
+    Console(width=None if sys.stdout.isatty() else 400, highlight=False).print(table(result))
+    print(f"results: {args.out / 'overhead.json'}, {args.out / 'overhead.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -155,12 +155,12 @@ def test_run_until_idle_reports_a_stuck_scheduler(harness_factory):
 def test_probe_walks_a_real_connector_tree(harness_factory):
     """``walk_connectors`` names kvcompose children by node name, MultiConnector's by index
     and class, and joins paths below the root with ``/``."""
-    from kvcompose.bench.noop import noop_config
     from kvcompose.config import load_config
     from kvcompose.config.render import vllm_args
     from kvcompose.engine.probe import walk_connectors
+    from kvcompose.testing.noop import MODULE_PATH, noop_config
 
-    noop = {"connector": "NoopConnector", "module_path": "kvcompose.bench.noop"}
+    noop = {"connector": "NoopConnector", "module_path": MODULE_PATH}
     multi = {
         "kv_connector": "MultiConnector",
         "kv_role": "kv_both",

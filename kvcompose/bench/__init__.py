@@ -3,8 +3,7 @@
 ``run_bench(BenchOptions(...))`` runs one workload (``kvcompose.bench.workloads``) against
 several contenders (``kvcompose.bench.contenders``: no connector, a vLLM connector config, a
 kvcompose config...), each in a fresh engine in its own process (``kvcompose.engine``), and
-writes results JSON/CSV and plots (``kvcompose.bench.report``). ``kvcompose.bench.overhead``
-measures the scheduler-side cost of composing connectors on vLLM's real scheduler. The CLI is
+writes results JSON/CSV and plots (``kvcompose.bench.report``). The CLI is
 ``kvcompose bench`` (``kvcompose.cli.bench_cmd``), also runnable as ``python -m
 kvcompose.bench``.
 

@@ -3,8 +3,8 @@
 With no arguments it runs the default comparison on the built-in CPU model: recompute, one
 disk tier, vLLM MultiConnector over a tmpfs and a disk tier, and kvcompose over the same tiers
 with ``first`` and with ``longest``, on a multi-round chat workload whose tiers hold different
-prefixes. ``--overhead`` measures the scheduler-side cost of composing connectors instead (no
-model runs). The flags come from the option dataclasses (``kvcompose.bench.flags``).
+prefixes. The flags come from the option dataclasses (``kvcompose.bench.flags``). The
+scheduler-side cost of composing connectors is measured by ``benchmarks/scheduler_overhead.py``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ examples:
   kvcompose bench --quick                           # a 1-minute check on the tiny model
   kvcompose bench --workload docqa -c none -c my-tiers.yaml
   kvcompose bench --workload mooncake:conversation_trace.jsonl --trace-limit 40
-  kvcompose bench --overhead                        # scheduler-side overhead, no model
 """
 
 
@@ -64,7 +63,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvcompose.bench.flags import add_flags, number
     from kvcompose.bench.options import BenchOptions, EngineOptions
-    from kvcompose.bench.overhead import OverheadOptions
     from kvcompose.bench.traces import MooncakeParams
     from kvcompose.bench.workloads import ChatParams, DocQAParams, NoReuseParams
 
@@ -97,12 +95,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a small chat workload on the tiny model, one round (about a minute): "
         "checks the setup, measures nothing meaningful",
     )
-    compare.add_argument(
-        "--overhead",
-        action="store_true",
-        help="measure scheduler-side overhead (kvcompose vs MultiConnector vs "
-        "one child) on vLLM's real scheduler instead; no model runs",
-    )
     engine.add_argument(
         "--model",
         "-m",
@@ -122,12 +114,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, MooncakeParams, prefix="mooncake-", groups={None: workload})
     add_flags(parser, BenchOptions, groups=groups)
     run_group.add_argument("--json", action="store_true", help="print results.json to stdout too")
-    add_flags(
-        parser,
-        OverheadOptions,
-        prefix="overhead-",
-        groups={None: parser.add_argument_group("--overhead")},
-    )
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
@@ -193,8 +179,6 @@ def run(args: argparse.Namespace) -> int:
         for name, (_, description, _) in BUILTIN_CONTENDERS.items():
             print(f"{name:20s} {description}")
         return 0
-    if args.overhead:
-        return _run_overhead(args, con)
     from rich.markup import escape
 
     from kvcompose.bench.report import tables
@@ -228,23 +212,6 @@ def run(args: argparse.Namespace) -> int:
         c.agreement and c.agreement.percent not in (None, 100.0) for c in results.contenders
     )
     return 1 if failed or disagree else 0
-
-
-def _run_overhead(args: argparse.Namespace, con: Any) -> int:
-    from pathlib import Path
-
-    from kvcompose.bench.flags import build
-    from kvcompose.bench.overhead import OverheadOptions, run_overhead
-    from kvcompose.bench.overhead_report import table
-
-    bench = options_from_args(args)
-    result = run_overhead(build(OverheadOptions, args), progress=con if bench.progress else None)
-    out_dir = Path(bench.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "overhead.json").write_text(result.model_dump_json(indent=1) + "\n")
-    _console().print(table(result))
-    _console().print(f"results: {out_dir / 'overhead.json'}")
-    return 0
 
 
 def _console(stderr: bool = False) -> Any:

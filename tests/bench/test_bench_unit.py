@@ -480,7 +480,6 @@ def test_cli_options() -> None:
         (["--max-num-seqs", "x"], "--max-num-seqs: expected an integer, got 'x'"),
         (["--dtype", "fp8ish"], "--dtype: invalid choice: 'fp8ish'"),
         (["--mooncake-block-tokens", "0"], "--mooncake-block-tokens: must be at least 1"),
-        (["--overhead-children", "0"], "--overhead-children: expected comma-separated"),
     ],
 )
 def test_bad_numbers_are_usage_errors_before_any_engine(
@@ -556,23 +555,6 @@ def test_contenders_that_cannot_run_are_refused_before_any_engine(
     assert main(["bench", "-w", "noreuse", "-c", str(big), "--out", str(out)]) == 1
     assert "too large for a config file" in capsys.readouterr().err
     assert not (out / "runs" / "recompute").exists()  # no engine started
-
-
-def test_overhead_flags() -> None:
-    import argparse
-
-    from kvcompose.bench.flags import build
-    from kvcompose.bench.overhead import OverheadOptions
-    from kvcompose.cli import bench_cmd
-
-    parser = argparse.ArgumentParser()
-    bench_cmd.add_arguments(parser)
-    assert build(OverheadOptions, parser.parse_args([])) == OverheadOptions()
-    opts = build(
-        OverheadOptions,
-        parser.parse_args(["--overhead-requests", "16,32", "--overhead-repeats", "2"]),
-    )
-    assert opts.requests == [16, 32] and opts.repeats == 2
 
 
 def test_bench_is_a_kvcompose_subcommand() -> None:

@@ -1,14 +1,32 @@
-"""The scheduler-overhead benchmark runs on vLLM's real scheduler (no model); no timing checks."""
+"""The scheduler-overhead benchmark (``benchmarks/scheduler_overhead.py`` and its package
+``benchmarks/overhead``) runs on vLLM's real scheduler (no model); no timing checks."""
 
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(autouse=True)
+def benchmarks_importable() -> Iterator[None]:
+    """``benchmarks/`` on ``sys.path``, as when its scripts run: the benchmark imports as
+    ``overhead``, and vLLM imports ``FloorConnector`` by its module path ``overhead.floor``."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(BENCH))
 
 
 def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
-    from kvcompose.bench.overhead import OverheadOptions, run_overhead
-    from kvcompose.bench.overhead_report import markdown, table
+    from overhead.measure import OverheadOptions, run_overhead
+    from overhead.report import markdown, table
 
     result = run_overhead(
         OverheadOptions(requests=[16], children=[2], steps=2, repeats=1, model_dir=str(tiny_model))
@@ -54,9 +72,10 @@ def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
 
 
 def test_noop_connector_is_a_complete_connector() -> None:
+    from overhead.floor import FloorConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    from kvcompose.bench.noop import FloorConnector, NoopConnector
+    from kvcompose.testing.noop import NoopConnector
 
     for cls in (NoopConnector, FloorConnector):
         assert issubclass(cls, KVConnectorBase_V1)
@@ -65,9 +84,24 @@ def test_noop_connector_is_a_complete_connector() -> None:
 
 def test_committed_overhead_results_read_back() -> None:
     """``overhead.json`` keeps its form: the committed results validate as ``OverheadResult``."""
-    from kvcompose.bench.results import OverheadResult
+    from overhead.results import OverheadResult
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks/results/overhead/overhead.json"
+    path = BENCH / "results/overhead/overhead.json"
     result = OverheadResult.model_validate_json(path.read_text())
     assert set(result.by_requests) == {"1000", "4000"}
     assert result.by_requests["1000"].ratios["2_children"].kvcompose_over_multiconnector
+
+
+def test_the_script_takes_the_options_as_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every ``OverheadOptions`` field is a flag of the script, checked as it is parsed."""
+    from overhead.measure import OverheadOptions
+    from scheduler_overhead import parser
+
+    from kvcompose.bench.flags import build
+
+    assert build(OverheadOptions, parser().parse_args([])) == OverheadOptions()
+    opts = build(OverheadOptions, parser().parse_args(["--requests", "16,32", "--repeats", "2"]))
+    assert opts.requests == [16, 32] and opts.repeats == 2
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--children", "0"])
+    assert "--children: expected comma-separated" in capsys.readouterr().err

@@ -6,8 +6,8 @@ general rule for a child taken out of lookups."""
 
 from __future__ import annotations
 
-from kvcompose.bench.noop import MODULE_PATH, NoopConnector
 from kvcompose.composite.children import inherits_base
+from kvcompose.testing.noop import MODULE_PATH, NoopConnector
 from kvcompose.testing.scripted import Behaviour, leaf, script
 from kvcompose.testing.trees import chain, kvcompose_config, prompt
 

@@ -5,12 +5,13 @@ For each number of concurrent requests N and children k, the same workload runs 
 and ``update_from_output``; only the forward pass is absent) with:
 
 - ``none``: no connector (the baseline);
-- ``direct``: one ``NoopConnector`` called directly by the scheduler;
+- ``direct``: one ``NoopConnector`` (``kvcompose.testing.noop``) called directly by the
+  scheduler;
 - ``multiconnector-k``: vLLM's ``MultiConnector`` over k no-op children;
 - ``kvcompose-k``: a kvcompose ``chain`` (policy ``first``) over k no-op children;
-- ``floor-k``: ``FloorConnector``, a bare forwarding composite of k no-op children (each
-  child asked and told everything, nothing kept or checked): what forwarding to k children
-  costs, so ``kvcompose-k / floor-k`` is about kvcompose's own share.
+- ``floor-k``: ``FloorConnector`` (``overhead.floor``), a bare forwarding composite of k
+  no-op children (each child asked and told everything, nothing kept or checked): what
+  forwarding to k children costs, so ``kvcompose-k / floor-k`` is about kvcompose's own share.
 
 All N requests arrive at once: one admission step looks up and allocates every request
 (``get_num_new_matched_tokens``, ``update_state_after_alloc`` on every child), then decode
@@ -41,13 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from kvcompose.bench.flags import opt
-from kvcompose.bench.results import (
+from kvcompose.bench.results import package_version
+from overhead.results import (
     OverheadEntry,
     OverheadMeta,
     OverheadRatios,
     OverheadResult,
     OverheadRow,
-    package_version,
 )
 
 
@@ -76,9 +77,10 @@ class OverheadOptions:
 
 
 def configurations(children: list[int]) -> dict[str, dict[str, Any] | None]:
-    from kvcompose.bench.noop import MODULE_PATH, floor_config, noop_config  # imports vLLM
     from kvcompose.config import load_config
     from kvcompose.config.render import vllm_args
+    from kvcompose.testing.noop import MODULE_PATH, noop_config  # imports vLLM
+    from overhead.floor import floor_config
 
     out: dict[str, dict[str, Any] | None] = {"none": None, "direct": noop_config()}
     for k in children:

@@ -1,14 +1,5 @@
-"""``NoopConnector``: a real vLLM connector that does nothing, for overhead measurements;
-``FloorConnector``: a bare forwarding composite of several (the line a composite is measured
-from).
-
-Every lookup misses (``(0, False)``), metadata is empty, nothing is loaded or saved. What a
-scheduler step costs with it (or with a composite of several) over no connector at all is the
-cost of the connector plumbing itself. Load it with::
-
-    {"kv_connector": "NoopConnector", "kv_connector_module_path": "kvcompose.bench.noop",
-     "kv_role": "kv_both"}
-"""
+"""``FloorConnector``: a bare forwarding composite of no-op children, the line a composite's
+own work is measured from."""
 
 from __future__ import annotations
 
@@ -21,6 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvcompose.testing.noop import NoopConnector
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -29,64 +22,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-MODULE_PATH = "kvcompose.bench.noop"
-
-
-class NoopMetadata(KVConnectorMetadata):
-    pass
-
-
-class NoopConnector(KVConnectorBase_V1):
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None = None,
-    ) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-
-    # scheduler side
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return 0, False
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        return
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return NoopMetadata()
-
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return False, None
-
-    # worker side
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        return
-
-    def wait_for_save(self) -> None:
-        return
-
-
-def noop_config(name: str = "noop") -> dict[str, Any]:
-    """A vLLM ``KVTransferConfig`` dict for one no-op connector."""
-    return {
-        "kv_connector": "NoopConnector",
-        "kv_connector_module_path": MODULE_PATH,
-        "kv_role": "kv_both",
-    }
+#: The name this module was imported under (``overhead.floor`` with ``benchmarks/`` on
+#: ``sys.path``): vLLM imports the connector by it.
+MODULE_PATH = __name__
 
 
 class FloorMetadata(KVConnectorMetadata):

@@ -1,11 +1,11 @@
-"""The scheduler-overhead benchmark's result as a rich table (the CLI) and as Markdown
-(``overhead.md``); the measuring is in ``kvcompose.bench.overhead``."""
+"""The scheduler-overhead benchmark's result as a rich table (the console) and as Markdown
+(``overhead.md``); the measuring is in ``overhead.measure``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvcompose.bench.results import OverheadRatios, OverheadResult
+from overhead.results import OverheadRatios, OverheadResult
 
 
 def table(result: OverheadResult) -> Any:
@@ -88,10 +88,10 @@ def markdown(result: OverheadResult, goals: str = "") -> str:
         f"step; {opts.get('steps')} decode steps. Ratios: median (min-max) over the rounds of "
         f"the ratio measured within a round.{' ' + goals if goals else ''}",
         "",
-        "`floor-k` is `kvcompose.bench.noop.FloorConnector`, a bare forwarding composite of "
-        "the same k children (each asked and told everything, nothing kept or checked): "
-        "`floor / direct` is what forwarding to k children costs, `kvcompose / floor` about "
-        "kvcompose's own share.",
+        "`floor-k` is `benchmarks/overhead/floor.py`'s `FloorConnector`, a bare forwarding "
+        "composite of the same k children (each asked and told everything, nothing kept or "
+        "checked): `floor / direct` is what forwarding to k children costs, "
+        "`kvcompose / floor` about kvcompose's own share.",
         "",
         "| N | children | kvcompose / MultiConnector | kvcompose / direct | "
         "MultiConnector / direct | kvcompose / floor | floor / direct |",
