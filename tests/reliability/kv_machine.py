@@ -110,8 +110,7 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
     # ------------------------------------------------------------------ set-up
     @initialize(data=st.data())
     def build(self, data: st.DataObject) -> None:
-        from kvcompose.engine.harness import SchedulerHarness
-        from kvcompose.engine.harness_async import AsyncSchedulerHarness
+        from kvcompose.engine.harness import AsyncSchedulerHarness, SchedulerHarness
 
         policy = data.draw(st.sampled_from(("recompute", "fail")), label="failure_policy")
         deadline_zero = data.draw(st.booleans(), label="deadline_zero")

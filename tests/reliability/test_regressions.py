@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 from kv_machine import BLOCK
 
-from kvcompose.engine.harness import SchedulerHarness
-from kvcompose.engine.harness_results import HarnessStuck
+from kvcompose.engine.harness import HarnessStuck, SchedulerHarness
 from kvcompose.testing.scripted import Behaviour, direct, leaf, script
 from kvcompose.testing.trees import chain, kvcompose_config, prompt
 
@@ -364,7 +363,7 @@ def test_vllm_async_scheduling_leaks_a_placeholder_after_sync_invalid_blocks(tin
     keeps it from ever being scheduled for its last token. Found by the machine (``fanout``
     and ``nested`` shapes under async scheduling); this is the machine's former
     ``async-scheduling-sync-load-failure-stuck``, shrunk by a search over plain runs."""
-    from kvcompose.engine.harness_async import AsyncSchedulerHarness
+    from kvcompose.engine.harness import AsyncSchedulerHarness
 
     script("rel.only", Behaviour(), A=Behaviour(tokens=8, load="invalid"))
     h = AsyncSchedulerHarness(
