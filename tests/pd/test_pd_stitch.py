@@ -4,18 +4,20 @@ of the prompt, NIXL pulls only the rest from P.
 D runs ``chain/stitch[disk, nixl]`` (``kv_load_failure_policy: recompute``): the disk tier
 (``PrefixStoreConnector``, ``native``) is looked up at D's local hit and loads its prefix
 ``[0, a)`` (sync); ``NixlConnector`` (``last_segment``) is looked up at ``a`` (it answers
-``prompt - a``, nixl/pull_scheduler.py:59-65) and is handed a block view starting at block
-``a / 32``, so it pulls exactly the blocks after the disk segment (the worker keeps the last
-``len(local)`` remote blocks, nixl/base_worker.py:3451-3455). P runs ``chain/first[nixl]``.
+``prompt - a``, ``NixlPullConnectorScheduler.get_num_new_matched_tokens``) and is handed a
+block view starting at block ``a / 32``, so it pulls exactly the blocks after the disk segment
+(the worker keeps the last ``len(local)`` remote blocks,
+``NixlBaseConnectorWorker._apply_prefix_caching``). P runs ``chain/first[nixl]``.
 
 What moved is read from real counters, not from the composite's plan: NIXL's
 ``vllm:nixl_bytes_transferred`` (against a whole-prompt pull measured on the same pair), the
 disk tier's worker-side ``tokens_loaded``, and the tokens D's engine computed per request
 (``pd.trace_on``'s ``scheduled``). The failure test hands D ``kv_transfer_params`` naming
 blocks P does not have: NIXL refuses the read (``make_prepped_xfer`` raises
-``NIXL_ERR_INVALID_PARAM``, nixl/pull_worker.py:546-575) and reports the request failed with
-its view's blocks invalid (base_worker.py:2880-2914); see docs/pd.md for why an expired
-lease is no such failure on vLLM 0.32.
+``NIXL_ERR_INVALID_PARAM`` in ``NixlPullConnectorWorker._read_blocks``) and reports the
+request failed with its view's blocks invalid (``NixlBaseConnectorWorker.
+get_transfer_results``); see docs/pd.md for why an expired lease is no such failure on vLLM
+0.32.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def test_disk_loads_its_prefix_and_nixl_pulls_only_the_rest(bed, seed, stored, d
     assert h.allocs == {"disk": disk_tokens, "nixl": rest}
     # (b) what moved: the disk tier read its prefix; NIXL one transfer of only the blocks
     # after it; D computed no prompt token but the last (a full prompt hit recomputes it,
-    # vllm/v1/core/sched/scheduler.py:3171-3172)
+    # ``Scheduler._update_waiting_for_remote_kv``)
     assert _disk_loaded(d) - disk_before == disk_tokens
     assert h.transfers == 1
     assert h.bytes_moved == bed.block_bytes * (PROMPT_BLOCKS - disk_tokens // BLOCK), h.row()
