@@ -1,0 +1,158 @@
+"""Several real vLLM engines running at once, sharing one Mooncake Store tier.
+
+Each engine is its own process (``EngineProcess``) with its own local tier (a kvcompose
+``PrefixStoreConnector`` directory) chained with vLLM's stock ``MooncakeStoreConnector``
+over one master and one pool (``kvcompose.testing.mooncake``):
+
+- engine A: ``chain/longest [local_a, shared]``
+- engine B: ``chain/stitch [local_b, shared]`` (Mooncake takes part in a stitch as
+  ``load_range: native``: looked up at the local tier's end, it loads from there on)
+
+Greedy outputs are compared with one engine without any connector. Who loaded what comes
+from kvcompose's per-child counters (``hit_tokens.<child>``) and the bytes from Mooncake's
+own per-operation counters.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcompose.engine.process import EngineProcess
+from kvcompose.testing.mooncake import MooncakeCluster, node_counters, store_operations
+from kvcompose.testing.trees import chain, kvcompose_config, prefix_store_leaf, prompt
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+BLOCK = 32
+MAX_TOKENS = 6
+LLM_KWARGS = {"block_size": BLOCK, "enable_prefix_caching": False, "max_model_len": 1024}
+#: prompts by name: distinct seeds share no prefix
+PROMPTS = {name: prompt(n, seed) for name, n, seed in [
+    ("p1", 200, 11), ("p2", 256, 12), ("p3", 256, 13), ("p4", 256, 14),
+    ("p5", 256, 15), ("p6", 256, 16), ("p7", 256, 17),
+]}  # fmt: skip
+#: a 256-token prompt: 7 full blocks inside prompt[:-1] (what a lookup may offer); the
+#: first 100 tokens: 3. Mooncake saves every full block the prompt computed: 8.
+FULL, SHORT, SAVED = 7 * BLOCK, 3 * BLOCK, 256 // BLOCK
+
+
+def stored_tokens(n: int) -> int:
+    """What a store can offer of an ``n``-token prompt: the full blocks inside prompt[:-1]."""
+    return (n - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, tmp_path_factory) -> dict[str, list[int]]:
+    """Every prompt's greedy output from one engine without any connector."""
+    log = tmp_path_factory.mktemp("reference") / "engine.log"
+    with EngineProcess(
+        model, None, name="reference", llm_kwargs=LLM_KWARGS, log_file=log
+    ) as engine:
+        outs = engine.generate(list(PROMPTS.values()), MAX_TOKENS)
+    return {name: out[0] for name, out in zip(PROMPTS, outs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def engines(cluster: MooncakeCluster, model: Path, tmp_path_factory) -> dict[str, EngineProcess]:
+    """Engines A (longest) and B (stitch), running side by side for the whole module."""
+    tmp = tmp_path_factory.mktemp("local")
+    out = {}
+    for name, policy, shared_fields in [
+        ("a", "longest", {}),
+        ("b", "stitch", {"load_range": "native"}),
+    ]:
+        tree = chain(
+            "tiers",
+            prefix_store_leaf("local", tmp / name),
+            cluster.leaf("shared", fields=shared_fields),
+            policy=policy,
+        )
+        cfg = kvcompose_config(tree, kv_load_failure_policy="recompute")
+        out[name] = cluster.engine(name, model, cfg, llm_kwargs=LLM_KWARGS)
+    return out
+
+
+def run(engine: EngineProcess, name: str, n: int | None = None) -> list[int]:
+    """Greedy output of prompt ``name`` (its first ``n`` tokens) on ``engine``."""
+    tokens = PROMPTS[name] if n is None else PROMPTS[name][:n]
+    return engine.generate([tokens], MAX_TOKENS)[0][0]
+
+
+def wait_keys(cluster: MooncakeCluster, at_least: int, timeout: float = 30.0) -> int:
+    """Wait until the master holds ``at_least`` keys (saves are put in the background)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        n = len(cluster.keys())
+        if n >= at_least or time.monotonic() > deadline:
+            return n
+        time.sleep(0.1)
+
+
+def diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def _loaded(llm: Any) -> dict[str, float]:
+    """(In the engine) Mooncake's load totals: keys and bytes read from the pool."""
+    ops = store_operations(llm)
+    return {
+        k: sum(v[k] for op, v in ops.items() if op.startswith("load")) for k in ("keys", "bytes")
+    }
+
+
+def test_b_loads_a_prefix_from_the_shared_tier_while_both_run(engines, empty_store, reference):
+    a, b = engines["a"], engines["b"]
+    assert run(a, "p1") == reference["p1"]  # computes and saves to its local tier and Mooncake
+    blocks = stored_tokens(len(PROMPTS["p1"])) // BLOCK
+    assert wait_keys(empty_store, blocks) == blocks  # one key per block (all layers)
+
+    before, load_before = b.call(node_counters), b.call(_loaded)
+    assert run(b, "p1") == reference["p1"]
+    hits, load = diff(b.call(node_counters), before), diff(b.call(_loaded), load_before)
+    # B's local tier is empty: the whole prefix came from the shared tier
+    assert hits.get("hit_tokens.shared") == stored_tokens(len(PROMPTS["p1"]))
+    assert "hit_tokens.local" not in hits
+    assert load.get("keys") == blocks and load.get("bytes", 0) > 0
+    print(f"\nB loaded {load} from Mooncake; kvcompose: {hits}")
+
+
+def test_stitch_local_prefix_from_local_the_rest_from_mooncake(engines, empty_store, reference):
+    a, b = engines["a"], engines["b"]
+    run(b, "p2", 100)  # B's local tier (and Mooncake) get the first 3 blocks
+    assert run(a, "p2") == reference["p2"]  # Mooncake gets all 7 blocks
+    assert wait_keys(empty_store, SAVED) == SAVED
+
+    before, load_before = b.call(node_counters), b.call(_loaded)
+    assert run(b, "p2") == reference["p2"]
+    hits, load = diff(b.call(node_counters), before), diff(b.call(_loaded), load_before)
+    # stitched: B's local tier loads its 96 tokens, Mooncake only the 128 after them
+    assert hits.get("hit_tokens.local") == SHORT
+    assert hits.get("hit_tokens.shared") == FULL - SHORT
+    assert load.get("keys") == (FULL - SHORT) // BLOCK  # Mooncake read 4 blocks, not 7
+    print(f"\nstitch on B: kvcompose {hits}; Mooncake read {load}")
+
+
+def test_longest_takes_the_longer_tier_and_the_local_one_on_a_tie(engines, empty_store, reference):
+    a, b = engines["a"], engines["b"]
+    # p3: A's local tier holds 3 blocks, Mooncake all 7 (B ran it whole)
+    run(a, "p3", 100)
+    assert run(b, "p3") == reference["p3"]
+    assert wait_keys(empty_store, SAVED) == SAVED
+    before, load_before = a.call(node_counters), a.call(_loaded)
+    assert run(a, "p3") == reference["p3"]
+    hits, load = diff(a.call(node_counters), before), diff(a.call(_loaded), load_before)
+    assert hits.get("hit_tokens.shared") == FULL and "hit_tokens.local" not in hits
+    assert load.get("keys") == FULL // BLOCK
+
+    # p4: A ran it whole, so both tiers hold all 7 blocks: the tie goes to the first child
+    assert run(a, "p4") == reference["p4"]
+    assert wait_keys(empty_store, 2 * SAVED) == 2 * SAVED
+    before, load_before = a.call(node_counters), a.call(_loaded)
+    assert run(a, "p4") == reference["p4"]
+    hits, load = diff(a.call(node_counters), before), diff(a.call(_loaded), load_before)
+    assert hits.get("hit_tokens.local") == FULL and "hit_tokens.shared" not in hits
+    assert not load.get("keys")
