@@ -16,8 +16,8 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -43,6 +43,7 @@ from kvcompose.proxy.openai_api import (
 from kvcompose.proxy.transport import BackendError, Transport
 
 log = logging.getLogger("kvcompose.proxy")
+T = TypeVar("T")
 
 
 class SSEResponse(StreamingResponse):
@@ -74,6 +75,7 @@ class SSEResponse(StreamingResponse):
 def create_app(config: ProxyConfig, *, http_client: httpx.AsyncClient | None = None) -> FastAPI:
     """The proxy as an ASGI app. ``http_client``: the client for backend calls (default: one
     with pooled connections, owned by the app)."""
+    _quiet_httpx()
     metrics = ProxyMetrics()
     pool = BackendPool.from_urls(config.prefill, config.decode)
     pool.on_change = metrics.backend_changed
@@ -143,6 +145,16 @@ def create_app(config: ProxyConfig, *, http_client: httpx.AsyncClient | None = N
         return await _serve(request, "chat", state)
 
     return app
+
+
+def _quiet_httpx() -> None:
+    """httpx logs every backend call at INFO (``HTTP Request: POST http://...``) with nothing
+    that ties it to a client request, twice per attempt; the proxy's own lines say
+    ``req=<id> attempt=<k>``. Unless a level was set for httpx's logger, its INFO lines go
+    (its warnings stay)."""
+    httpx_log = logging.getLogger("httpx")
+    if httpx_log.level == logging.NOTSET:
+        httpx_log.setLevel(logging.WARNING)
 
 
 def app_from_env() -> FastAPI:
@@ -244,17 +256,26 @@ async def _serve(request: Request, kind: Kind, state: dict[str, Any]) -> Respons
         model = _model_for(body.model, state, router)
         tok = body.tokenize_body(model)
         prompt_ids = await router.tokenize(tok, rid) if tok is not None else list(body.prompt)
+        req = generation_request(body, rid, model, prompt_ids, _max_model_len(model, state))
     except BadRequest as exc:
         router.metrics.requests.labels(endpoint=endpoint, outcome="bad_request").inc()
         return _error(exc.message, exc.status, exc.param)
     except GenerationFailed as exc:
         router.metrics.requests.labels(endpoint=endpoint, outcome="failed").inc()
         return _error(exc.message, exc.status, body=exc.body)
-    req = generation_request(body, rid, model, prompt_ids)
     fmt = Formatter(kind, rid, model, body.return_token_ids, prompt_ids)
     if body.stream:
-        return await _stream(router, req, fmt, body.include_usage(), endpoint)
+        return await _stream(router, req, fmt, body.include_usage(), endpoint, request)
     return await _whole(router, req, fmt, endpoint, request)
+
+
+def _max_model_len(model: str, state: dict[str, Any]) -> int | None:
+    """The context length the backends report for ``model`` (vLLM's ``/v1/models`` cards
+    carry ``max_model_len``)."""
+    for card in state["models"]:
+        if card.get("id") == model and isinstance(card.get("max_model_len"), int):
+            return int(card["max_model_len"])
+    return None
 
 
 def _model_for(asked: str | None, state: dict[str, Any], router: Router) -> str:
@@ -283,18 +304,12 @@ async def _whole(router: Router, req: Any, fmt: Formatter, endpoint: str,
 
     router.metrics.in_flight.inc()
     try:
-        task = asyncio.ensure_future(collect())
-        watcher = asyncio.ensure_future(_disconnected(request))
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:  # the client left: stop the backends' work
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        finished, result = await _unless_client_leaves(request, collect())
+        if not finished:  # the client left: the backends' work was stopped
             router.metrics.requests.labels(endpoint=endpoint, outcome="disconnected").inc()
             return Response(status_code=499)
-        watcher.cancel()
         try:
-            text, ids, finish = task.result()
+            text, ids, finish = result.result()
         except GenerationFailed as exc:
             router.metrics.requests.labels(endpoint=endpoint, outcome="failed").inc()
             return _error(exc.message, exc.status, body=exc.body)
@@ -304,19 +319,44 @@ async def _whole(router: Router, req: Any, fmt: Formatter, endpoint: str,
         router.metrics.in_flight.dec()
 
 
+async def _unless_client_leaves(
+    request: Request, work: Awaitable[T]
+) -> tuple[bool, asyncio.Future[T]]:
+    """Run ``work`` until it ends or the client disconnects, whichever comes first (as
+    vLLM's ``with_cancellation`` does for its routes); when the client leaves, ``work`` is
+    cancelled, which closes the backend requests it has open. Returns (ended, its task)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return True, task
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    return False, task
+
+
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
 async def _stream(router: Router, req: Any, fmt: Formatter, include_usage: bool,
-                  endpoint: str) -> Response:  # fmt: skip
+                  endpoint: str, request: Request) -> Response:  # fmt: skip
     """Waits for the first event before answering, so a request that cannot start at all
-    gets a status code (503) rather than an empty 200 stream."""
+    gets a status code (503) rather than an empty 200 stream; a client leaving meanwhile
+    (during P's prefill) stops the request there: P is aborted, D never sees it."""
     events = router.generate(req)
     router.metrics.in_flight.inc()
     try:
-        first = await anext(events)
+        finished, first_event = await _unless_client_leaves(request, anext(events))
+        if not finished:
+            await events.aclose()
+            router.metrics.in_flight.dec()
+            router.metrics.requests.labels(endpoint=endpoint, outcome="disconnected").inc()
+            return Response(status_code=499)
+        first = first_event.result()
     except GenerationFailed as exc:
         router.metrics.in_flight.dec()
         router.metrics.requests.labels(endpoint=endpoint, outcome="failed").inc()

@@ -31,6 +31,20 @@ from kvcompose.proxy.transport import BackendError, Transport
 
 log = logging.getLogger("kvcompose.proxy")
 
+
+def request_log(request_id: str, attempt: int) -> logging.LoggerAdapter[logging.Logger]:
+    """The proxy's log for one attempt of one request: every line starts with
+    ``req=<id> attempt=<k>`` (``attempt=0``: before the first attempt, while tokenizing), so
+    the lines of concurrent requests can be told apart and grepped."""
+    return _RequestLog(log, {"req": request_id, "attempt": attempt})
+
+
+class _RequestLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        extra = self.extra or {}
+        return f"req={extra['req']} attempt={extra['attempt']} {msg}", kwargs
+
+
 #: D's finish reasons that mean "not finished, try again" (vLLM: ``v1/engine/__init__.py``
 #: FINISH_REASON_STRINGS; "abort" is what an engine reports for a request it dropped).
 RETRY_FINISH = {"abort", "error"}
@@ -112,7 +126,7 @@ class Router:
                     raise GenerationFailed(exc.status or 400, str(exc), exc.body) from exc
                 self.pool.mark_failed(backend, str(exc))
                 last = str(exc)
-                log.warning("req=%s tokenize failed: %s", request_id, exc)
+                request_log(request_id, 0).warning("tokenize failed: %s", exc)
         raise GenerationFailed(503, f"cannot tokenize the prompt: {last}")
 
     # ----------------------------------------------------------------- generation
@@ -120,7 +134,7 @@ class Router:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta | Finish]:
         """Deltas as the client should see them, then one ``Finish``; or ``GenerationFailed``."""
         delivered: list[int] = []
-        stops = StopStrings(req.stop, req.include_stop_str_in_output)
+        stops = StopStrings(req.stop, req.include_stop_str_in_output, req.min_tokens)
         failures: list[str] = []
         avoid: set[str] = set()  # backends that failed this request: tried last
         attempt = 0
@@ -150,13 +164,8 @@ class Router:
                 except _Retry as retry:
                     failures.append(str(retry))
                     self.metrics.retries.labels(cause=retry.cause).inc()
-                    log.warning(
-                        "req=%s attempt=%d %s: %s (%d tokens delivered)",
-                        req.request_id,
-                        attempt,
-                        retry.cause,
-                        retry,
-                        len(delivered),
+                    request_log(req.request_id, attempt).warning(
+                        "%s: %s (%d tokens delivered)", retry.cause, retry, len(delivered)
                     )
         finally:
             self.metrics.attempts.observe(attempt)
@@ -176,13 +185,14 @@ class Router:
         self, req: GenerationRequest, attempt: int, delivered: list[int], stops: StopStrings,
         remaining: int | None, avoid: set[str],
     ) -> AsyncIterator[Delta | Finish]:  # fmt: skip
+        rlog = request_log(req.request_id, attempt)
         rid = f"{req.request_id}-{attempt}"
         prompt = [*req.prompt_ids, *delivered]
         params, prefill = await self._prefill(req, rid, prompt, attempt, avoid)
 
         decode = self.pool.pick("decode", avoid)
         if decode is None:
-            self._release_later(params, rid)
+            self._release_later(params, req.request_id, attempt)
             raise _Retry("no_decode", "no healthy decode backend")
         body = {
             **req.sampling, "model": req.model, "prompt": prompt, "stream": True,
@@ -194,13 +204,7 @@ class Router:
         if stops.stops:
             body["stop"] = stops.stops
             body["include_stop_str_in_output"] = True
-        log.debug(
-            "req=%s attempt=%d decode on %s (%d prompt ids)",
-            req.request_id,
-            attempt,
-            decode.url,
-            len(prompt),
-        )
+        rlog.debug("decode on %s (%d prompt ids)", decode.url, len(prompt))
         started = False
         got = 0  # tokens this attempt delivered
         t0 = time.monotonic()
@@ -229,14 +233,15 @@ class Router:
                             ev.token_ids = ev.token_ids[: remaining - got]
                         got += len(ev.token_ids)
                         delivered.extend(ev.token_ids)
-                        text, match = stops.feed(ev.text)
+                        text, match = stops.feed(ev.text, len(ev.token_ids))
                         if text or ev.token_ids:
                             yield Delta(text, ev.token_ids)
                         if match is not None:
                             yield self._finish(req, delivered, "stop", match.stop, attempt)
                             return
                         if ev.finish_reason is not None:
-                            tail = stops.flush()
+                            d_stop = ev.finish_reason == "stop" and ev.stop_reason in stops.stops
+                            tail = stops.stopped_by(ev.stop_reason) if d_stop else stops.flush()
                             if tail:
                                 yield Delta(tail, [])
                             yield self._finish(
@@ -247,13 +252,13 @@ class Router:
                 "stream_dropped", f"decode {decode.url}: the stream ended without a finish reason"
             )
         except BackendError as exc:
+            if not started:  # D did not take the hand-off: P holds its blocks for nothing
+                self._release_later(params, req.request_id, attempt)
             if exc.client_error:
                 raise GenerationFailed(exc.status or 400, str(exc), exc.body) from exc
             avoid.add(decode.url)
             if exc.kind != "status" or (exc.status or 0) >= 500:
                 self.pool.mark_failed(decode, str(exc))
-            if not started:
-                self._release_later(params, rid)
             if got == 0:
                 avoid.add(prefill.url)
             cause = "stream_dropped" if started else "decode_failed"
@@ -267,7 +272,7 @@ class Router:
                 # hand-off rather than leave them to P's lease (if D did read them, P only
                 # logs the second notification).
                 avoid.add(prefill.url)
-                self._release_later(params, rid)
+                self._release_later(params, req.request_id, attempt)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away. D aborts a request whose connection closed, and its
@@ -275,7 +280,7 @@ class Router:
             # so a hand-off D has not answered yet is released (a second notification
             # for blocks already freed only makes P log an error line).
             if not started:
-                self._release_later(params, rid)
+                self._release_later(params, req.request_id, attempt)
             raise
         finally:
             self.metrics.backend_seconds.labels(role="decode").observe(time.monotonic() - t0)
@@ -293,13 +298,21 @@ class Router:
             "kv_transfer_params": {"do_remote_decode": True},
         }  # fmt: skip
         t0 = time.monotonic()
-        # The prefill runs as its own task: when the client goes away while P is answering,
-        # the hand-off P prepared is still released instead of waiting for P's lease.
-        task = asyncio.ensure_future(self._call_prefill(backend, body))
+        # The prefill runs as a task of its own, so that the client leaving can be answered
+        # by what P has done so far (below).
+        answering = asyncio.Event()
+        task = asyncio.ensure_future(self._call_prefill(backend, body, answering))
         try:
             params = await asyncio.shield(task)
         except asyncio.CancelledError:
-            task.add_done_callback(lambda t: self._release_done(t, rid))
+            # The client left. Before P answers, closing P's connection makes vLLM abort the
+            # prefill (``with_cancellation`` on its completion route), and NIXL frees an
+            # aborted prefill's blocks at once (``request_finished``). Once P answers, the
+            # prefill is over and its blocks wait for a D: let the answer arrive, release it.
+            if answering.is_set():
+                task.add_done_callback(lambda t: self._release_done(t, req.request_id, attempt))
+            else:
+                task.cancel()
             raise
         except BackendError as exc:
             if exc.client_error:
@@ -309,44 +322,49 @@ class Router:
             raise _Retry("prefill_failed", str(exc)) from exc
         finally:
             self.metrics.backend_seconds.labels(role="prefill").observe(time.monotonic() - t0)
-        log.debug("req=%s attempt=%d prefilled on %s", req.request_id, attempt, backend.url)
+        request_log(req.request_id, attempt).debug("prefilled on %s", backend.url)
         return params, backend
 
-    async def _call_prefill(self, backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
+    async def _call_prefill(
+        self, backend: Backend, body: dict[str, Any], answering: asyncio.Event
+    ) -> dict[str, Any]:
         with backend.use():
-            return await self.transport.prefill(backend, body)
+            return await self.transport.prefill(backend, body, answering)
 
     # ----------------------------------------------------------------- releasing
 
-    def _release_done(self, task: asyncio.Future[dict[str, Any]], rid: str) -> None:
+    def _release_done(self, task: asyncio.Future[dict[str, Any]], request_id: str,
+                      attempt: int) -> None:  # fmt: skip
         if not task.cancelled() and task.exception() is None:
-            self._release_later(task.result(), rid)
+            self._release_later(task.result(), request_id, attempt)
 
-    def _release_later(self, params: dict[str, Any], rid: str) -> None:
+    def _release_later(self, params: dict[str, Any], request_id: str, attempt: int) -> None:
         if not self.config.release_stale_handoffs:
             return
-        task = asyncio.ensure_future(self.release(params, rid))
+        task = asyncio.ensure_future(self.release(params, request_id, attempt))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def release(self, params: dict[str, Any], rid: str) -> bool:
+    async def release(self, params: dict[str, Any], request_id: str, attempt: int) -> bool:
         """Have a healthy decode engine reject the hand-off, so P frees its blocks now."""
+        rlog = request_log(request_id, attempt)
         backend = self.pool.pick("decode")
         if backend is None:
-            log.warning(
-                "req=%s no decode backend to release the hand-off; P keeps the "
-                "blocks until its kv_lease_duration",
-                rid,
+            rlog.warning(
+                "no decode backend to release the hand-off; P keeps the blocks until its "
+                "kv_lease_duration"
             )
             self.metrics.releases.labels(outcome="no_backend").inc()
             return False
         try:
-            status = await self.transport.release(backend, params, f"{rid}-release")
+            status = await self.transport.release(
+                backend, params, f"{request_id}-{attempt}-release"
+            )
         except BackendError as exc:
-            log.warning("req=%s releasing the hand-off failed: %s", rid, exc)
+            rlog.warning("releasing the hand-off failed: %s", exc)
             self.metrics.releases.labels(outcome="failed").inc()
             return False
-        log.info("req=%s hand-off released through %s (HTTP %d)", rid, backend.url, status)
+        rlog.info("hand-off released through %s (HTTP %d)", backend.url, status)
         self.metrics.releases.labels(outcome="sent").inc()
         return True
 

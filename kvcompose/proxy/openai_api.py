@@ -13,13 +13,15 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from kvcompose.proxy.core import Delta, Finish, GenerationRequest
 
 Kind = Literal["completion", "chat"]
 
-#: Fields the proxy reads or owns; everything else goes to the backends unchanged.
+#: Fields the proxy reads or owns (their types and values are checked here, with vLLM's
+#: rules); everything else goes to the backends unchanged, and a bad value there is P's 400,
+#: passed to the client as it was, before a hand-off exists (docs/proxy.md, "Checked").
 _OWN = {
     "model",
     "prompt",
@@ -70,7 +72,10 @@ class _Common(BaseModel):
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = 0
+    #: passed through, but only to D (P's one token must not stop early): typed here, so
+    #: that a bad value is refused before P prepares a hand-off
+    stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
     kv_transfer_params: dict[str, Any] | None = None
     use_beam_search: bool = False
@@ -94,6 +99,32 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options can only be set when stream is true",
                              "stream_options")  # fmt: skip
+        self.max_tokens_for(None)
+
+    def max_new(self) -> int | None:
+        raise NotImplementedError
+
+    def max_tokens_for(self, context_left: int | None) -> int | None:
+        """The request's token budget as vLLM computes it (``get_max_tokens`` in
+        ``entrypoints/serve/utils/api_utils.py``): the client's limit, capped by what the
+        model's context leaves after the prompt (``context_left``; ``None``: not known yet,
+        or a prompt longer than the context, which P refuses itself); chat without a limit:
+        the context left, i.e. until EOS or ``max_model_len``. Then ``SamplingParams.
+        _verify_args``'s checks, with its messages (``VLLMValidationError.__str__``)."""
+        limits = [n for n in (self.max_new(), context_left) if n is not None]
+        max_tokens = min(limits) if limits else None
+        if max_tokens is not None and max_tokens < 1:
+            raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}. "
+                             f"(parameter=max_tokens, value={max_tokens})",
+                             "max_tokens")  # fmt: skip
+        if self.min_tokens < 0:
+            raise BadRequest(
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
+            )
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens must be less than or equal to "
+                             f"max_tokens={max_tokens}, got {self.min_tokens}.")  # fmt: skip
+        return max_tokens
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -105,7 +136,7 @@ class _Common(BaseModel):
 
 class CompletionBody(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)  # vLLM's and OpenAI's default
+    max_tokens: int | None = 16  # vLLM's and OpenAI's default; null is 16 as well
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -136,13 +167,14 @@ class CompletionBody(_Common):
         return None
 
     def max_new(self) -> int | None:
-        return self.max_tokens
+        # ``CompletionRequest.normalize_null_max_tokens``: an explicit null is the default
+        return 16 if self.max_tokens is None else self.max_tokens
 
 
 class ChatBody(_Common):
     messages: list[dict[str, Any]]
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -181,6 +213,8 @@ class ChatBody(_Common):
         return body
 
     def max_new(self) -> int | None:
+        """``None``: no limit of the client's (``OpenAIServingChat.create_chat_completion``
+        passes ``max_completion_tokens``, else ``max_tokens``, to ``get_max_tokens``)."""
         return (
             self.max_completion_tokens
             if self.max_completion_tokens is not None
@@ -188,10 +222,17 @@ class ChatBody(_Common):
         )
 
 
-def generation_request(body: CompletionBody | ChatBody, request_id: str, model: str,
-                       prompt_ids: list[int]) -> GenerationRequest:  # fmt: skip
+def generation_request(
+    body: CompletionBody | ChatBody, request_id: str, model: str, prompt_ids: list[int],
+    max_model_len: int | None,
+) -> GenerationRequest:  # fmt: skip
+    """``max_model_len``: the model's context length, as the backends report it."""
+    left = None
+    if max_model_len is not None and len(prompt_ids) <= max_model_len:
+        left = max_model_len - len(prompt_ids)
     return GenerationRequest(
-        request_id=request_id, model=model, prompt_ids=prompt_ids, max_tokens=body.max_new(),
+        request_id=request_id, model=model, prompt_ids=prompt_ids,
+        max_tokens=body.max_tokens_for(left),
         min_tokens=body.min_tokens, stop=body.stops(),
         include_stop_str_in_output=body.include_stop_str_in_output,
         sampling=body.passthrough(),

@@ -1,12 +1,27 @@
-"""Stop strings over the whole generated text, across attempts.
+"""Stop strings over the whole generated text, across attempts, by vLLM's rules.
 
 A backend only sees its own attempt's text, so a stop string that straddles two attempts
 (``"ab"`` delivered by the first, ``"c"`` by the second, stop ``"abc"``) is found here. The
-proxy asks backends for ``include_stop_str_in_output`` so that they hold nothing back (vLLM's
-detokenizer withholds ``max(len(stop)) - 1`` characters otherwise, ``v1/engine/detokenizer.py``
-85-90, which would leave text behind the token ids when a stream breaks), and applies the
-client's choice itself: without ``include_stop_str_in_output`` it withholds the same number
-of characters from the client until they cannot start a stop string.
+rules are those of vLLM's detokenizer (``vllm/v1/engine/detokenizer.py``):
+
+- ``BaseIncrementalDetokenizer.update``: stop strings are looked for only once more than
+  ``min_tokens`` tokens were generated, and a match must end in the text of a token after
+  the ``min_tokens``-th;
+- ``check_stop_strings``: of the stop strings completed by the new text, the one that
+  *ends* first wins, ties going to the earlier one in the request's list; the text is cut
+  at the match's start, or after its end with ``include_stop_str_in_output``.
+
+The proxy asks backends for ``include_stop_str_in_output`` so that they hold nothing back
+(``BaseIncrementalDetokenizer.get_next_output_text`` withholds ``max(len(stop)) - 1``
+characters otherwise, which would leave text behind the token ids when a stream breaks),
+and applies the client's choice itself: without ``include_stop_str_in_output`` it withholds
+the same number of characters from the client until they cannot start a stop string.
+
+The text arrives in D's chunks, one engine step each: one token per chunk unless D runs
+speculative decoding or a ``--stream-interval`` above 1. A chunk holding the
+``min_tokens``-th token *and* later ones is not split here (its per-token text is unknown):
+no stop string is taken to end inside it, and D's own verdict, exact within its attempt,
+is honoured instead (:meth:`StopStrings.stopped_by`).
 """
 
 from __future__ import annotations
@@ -21,29 +36,52 @@ class StopMatch:
 
 
 class StopStrings:
-    def __init__(self, stops: list[str], include_in_output: bool) -> None:
+    def __init__(self, stops: list[str], include_in_output: bool, min_tokens: int = 0) -> None:
         self.stops = [s for s in stops if s]
         self.include = include_in_output
+        self.min_tokens = min_tokens
         self.hold = 0 if (self.include or not self.stops) else max(map(len, self.stops)) - 1
         self.text = ""  # everything generated so far
+        self.tokens = 0  # token ids generated so far
         self.emitted = 0  # characters of self.text given to the client
 
-    def feed(self, piece: str) -> tuple[str, StopMatch | None]:
-        """Add ``piece``; return the text the client may get now and the match, if any."""
-        start = max(0, len(self.text) - max(map(len, self.stops), default=0) + 1)
+    def feed(self, piece: str, n_tokens: int) -> tuple[str, StopMatch | None]:
+        """Add ``piece``, the text of ``n_tokens`` new tokens; return the text the client may
+        get now and the match, if any."""
+        before_text, before_tokens = len(self.text), self.tokens
         self.text += piece
-        if self.stops:
-            found = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
-            if found:
-                i, stop = min(found)
-                end = i + len(stop) if self.include else i
-                out = self.text[self.emitted : end]
-                self.emitted = max(self.emitted, end)
-                return out, StopMatch(stop, out)
+        self.tokens += n_tokens
+        if self.stops and self.tokens > self.min_tokens and before_tokens >= self.min_tokens:
+            match = self._first_ending(checked_from=before_text)
+            if match is not None:
+                return self._cut(*match)
         end = len(self.text) - self.hold
         out = self.text[self.emitted : end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return out, None
+
+    def _first_ending(self, checked_from: int) -> tuple[int, str] | None:
+        """vLLM's ``check_stop_strings``: the match ending first after ``checked_from``."""
+        best: tuple[int, str] | None = None
+        for stop in self.stops:
+            i = self.text.find(stop, max(0, checked_from - len(stop) + 1))
+            if i >= 0 and (best is None or i + len(stop) < best[0] + len(best[1])):
+                best = (i, stop)
+        return best
+
+    def _cut(self, start: int, stop: str) -> tuple[str, StopMatch]:
+        end = start + len(stop) if self.include else start
+        out = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return out, StopMatch(stop, out)
+
+    def stopped_by(self, stop: str) -> str:
+        """D ended its attempt on ``stop`` where :meth:`feed` found no match (a chunk of
+        several tokens across ``min_tokens``): D's match ends where its text ends."""
+        start = self.text.rfind(stop)
+        if start < self.emitted:
+            return self.flush()
+        return self._cut(start, stop)[0]
 
     def flush(self) -> str:
         """The withheld tail, once generation ended for another reason."""

@@ -11,6 +11,7 @@ chunk, 471-492; a generation error mid-stream is one ``data: {"error": ...}`` ev
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -61,10 +62,16 @@ class Transport:
         self.timeouts = timeouts
         self._timeout = httpx.Timeout(timeouts.read, connect=timeouts.connect)
 
-    async def _post_json(self, backend: Backend, path: str, body: dict[str, Any]) -> Any:
+    async def _post_json(self, backend: Backend, path: str, body: dict[str, Any],
+                         answering: asyncio.Event | None = None) -> Any:  # fmt: skip
+        """POST ``body``, return the JSON answer; ``answering`` is set once the answer's
+        status line arrived (vLLM sends it only when the request is over)."""
         try:
-            resp = await self.client.post(f"{backend.url}{path}", json=body,
-                                          timeout=self._timeout)  # fmt: skip
+            async with self.client.stream("POST", f"{backend.url}{path}", json=body,
+                                          timeout=self._timeout) as resp:  # fmt: skip
+                if answering is not None:
+                    answering.set()
+                await resp.aread()
         except httpx.TimeoutException as exc:
             raise BackendError(backend, "timeout", f"{path}: timed out ({exc!r})") from exc
         except httpx.HTTPError as exc:
@@ -105,9 +112,11 @@ class Transport:
             raise BackendError(backend, "protocol", f"/tokenize answered without tokens: {data}")
         return [int(t) for t in tokens]
 
-    async def prefill(self, backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
-        """Run the prefill; return the ``kv_transfer_params`` P hands to D."""
-        data = await self._post_json(backend, "/v1/completions", body)
+    async def prefill(self, backend: Backend, body: dict[str, Any],
+                      answering: asyncio.Event | None = None) -> dict[str, Any]:  # fmt: skip
+        """Run the prefill; return the ``kv_transfer_params`` P hands to D. ``answering`` is
+        set when P's answer begins: from then on P holds the hand-off's blocks."""
+        data = await self._post_json(backend, "/v1/completions", body, answering)
         params = data.get("kv_transfer_params") if isinstance(data, dict) else None
         if not isinstance(params, dict):
             raise BackendError(

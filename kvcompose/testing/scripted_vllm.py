@@ -108,8 +108,10 @@ class Fault:
 class ScriptedVLLM:
     """One scripted server (P or D: the request's ``kv_transfer_params`` decide)."""
 
-    def __init__(self, name: str, fabric: Fabric, token_delay: float = 0.0) -> None:
+    def __init__(self, name: str, fabric: Fabric, token_delay: float = 0.0,
+                 max_model_len: int = 4096) -> None:  # fmt: skip
         self.name = name
+        self.max_model_len = max_model_len
         self.fabric = fabric
         self.token_delay = token_delay
         self.faults: list[Fault] = []
@@ -138,7 +140,12 @@ class ScriptedVLLM:
                 {
                     "object": "list",
                     "data": [
-                        {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 4096}
+                        {
+                            "id": MODEL,
+                            "object": "model",
+                            "owned_by": "vllm",
+                            "max_model_len": self.max_model_len,
+                        }
                     ],
                 }
             )
@@ -151,7 +158,12 @@ class ScriptedVLLM:
             else:
                 ids = tokenize(body["prompt"])
             return JSONResponse(
-                {"count": len(ids), "max_model_len": 4096, "tokens": ids, "token_strs": None}
+                {
+                    "count": len(ids),
+                    "max_model_len": self.max_model_len,
+                    "tokens": ids,
+                    "token_strs": None,
+                }
             )
 
         @app.post("/v1/completions")
@@ -170,8 +182,16 @@ class ScriptedVLLM:
                 return _err("Streaming is not currently supported with beam search", 400)
             fault = self._take_fault()
             if fault is not None and fault.kind == "delay":
-                await asyncio.sleep(fault.seconds)
+                # vLLM's routes run under ``with_cancellation``: a client that disconnects
+                # meanwhile aborts the request (and NIXL frees an aborted prefill at once)
+                if await _client_left_within(request, fault.seconds):
+                    self.aborted.append(rid)
+                    return _err("aborted", 499)
                 fault = None
+            budget = _max_tokens(body, len(body["prompt"]), self.max_model_len)
+            if isinstance(budget, JSONResponse):
+                return budget
+            body["max_tokens"] = budget
             if fault is not None and fault.kind == "status":
                 return _err(f"{self.name}: scripted HTTP {fault.code}", fault.code)
             prompt = body["prompt"]
@@ -226,10 +246,11 @@ class ScriptedVLLM:
         self, rid: str, body: dict[str, Any], params: dict[str, Any], fault: Fault | None
     ) -> Any:
         prompt: list[int] = body["prompt"]
-        max_tokens = body.get("max_tokens") or 64
+        max_tokens = body["max_tokens"]
         stops = body.get("stop") or []
         if isinstance(stops, str):
             stops = [stops]
+        min_tokens = body.get("min_tokens") or 0
         self.active.add(rid)
         finished = False
         try:
@@ -268,7 +289,7 @@ class ScriptedVLLM:
                 seq.append(tok)
                 piece = detok([tok])
                 text += piece
-                hit = next((s for s in stops if s in text), None)
+                hit = _stop_string(text, len(piece), stops, i + 1, min_tokens)
                 last = i == max_tokens - 1
                 reason = "stop" if hit else ("length" if last else None)
                 yield _data(_chunk(rid, piece, [tok], reason, hit, body))
@@ -296,6 +317,50 @@ class ScriptedVLLM:
             self.active.discard(rid)
             if not finished:
                 self.aborted.append(rid)
+
+
+def _max_tokens(body: dict[str, Any], prompt_len: int, max_model_len: int) -> Any:
+    """vLLM's budget for a completion: ``CompletionRequest.normalize_null_max_tokens`` (no
+    limit or null: 16), ``get_max_tokens`` (no more than the context leaves),
+    ``SamplingParams._verify_args`` (at least 1; ``min_tokens`` no more than that). A
+    ``JSONResponse`` (400) when refused."""
+    asked = 16 if body.get("max_tokens") is None else body["max_tokens"]
+    budget = min(asked, max_model_len - prompt_len)
+    if budget < 1:
+        return _err(f"max_tokens must be at least 1, got {budget}. "
+                    f"(parameter=max_tokens, value={budget})", 400)  # fmt: skip
+    if (body.get("min_tokens") or 0) > budget:
+        return _err(f"min_tokens must be less than or equal to max_tokens={budget}, "
+                    f"got {body['min_tokens']}.", 400)  # fmt: skip
+    return budget
+
+
+def _stop_string(text: str, new_chars: int, stops: list[str], generated: int,
+                 min_tokens: int) -> str | None:  # fmt: skip
+    """vLLM's rule for one new token (``BaseIncrementalDetokenizer.update`` and
+    ``check_stop_strings`` in ``v1/engine/detokenizer.py``): no stop string until more than
+    ``min_tokens`` tokens; then the match completed by the new text that ends first, ties
+    to the earlier stop string in the list."""
+    if generated <= min_tokens:
+        return None
+    best, best_end = None, len(text) + 1
+    for stop in stops:
+        i = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+        if i >= 0 and i + len(stop) < best_end:
+            best, best_end = stop, i + len(stop)
+    return best
+
+
+async def _client_left_within(request: Request, seconds: float) -> bool:
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    try:
+        await asyncio.wait_for(disconnected(), seconds)
+    except TimeoutError:
+        return False
+    return True
 
 
 def _chunk(

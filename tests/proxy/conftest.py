@@ -13,6 +13,9 @@ import pytest
 from kvcompose.proxy import ProxyConfig, create_app
 from kvcompose.testing.scripted_vllm import Fabric, ScriptedVLLM, ServerThread
 
+#: the scripted servers' context: a chat without max_tokens runs to it in about a second
+MAX_MODEL_LEN = 512
+
 
 @dataclass
 class Bed:
@@ -37,7 +40,10 @@ class Bed:
 @pytest.fixture(scope="module")
 def backends() -> Iterator[tuple[Fabric, list[ScriptedVLLM], list[ServerThread]]]:
     fabric = Fabric()
-    servers = [ScriptedVLLM(n, fabric, token_delay=0.002) for n in ("p1", "p2", "d1", "d2")]
+    servers = [
+        ScriptedVLLM(n, fabric, token_delay=0.002, max_model_len=MAX_MODEL_LEN)
+        for n in ("p1", "p2", "d1", "d2")
+    ]
     threads = [ServerThread(s.app).start() for s in servers]
     yield fabric, servers, threads
     for t in threads:

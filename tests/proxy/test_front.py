@@ -11,7 +11,7 @@ import pytest
 from proxy_sse import stream
 
 from kvcompose.proxy.backends import BackendPool, check_all
-from kvcompose.proxy.stops import StopStrings
+from kvcompose.proxy.stops import StopMatch, StopStrings
 from kvcompose.testing.scripted_vllm import MODEL, Fault, detok, reference, tokenize
 
 PROMPT = " ".join(f"w{i}" for i in range(100, 140))
@@ -190,16 +190,21 @@ def test_client_disconnect_mid_stream_aborts_on_decode(bed):
     assert not bed.fabric.held
 
 
-def test_client_disconnect_while_p_prefills_releases_the_handoff(bed):
-    bed.prefill[0].fail_next(Fault("delay", seconds=0.5))
-    with bed.client(timeout=0.2) as c, pytest.raises(httpx.ReadTimeout):
-        c.post(
-            "/v1/completions", json={"model": MODEL, "prompt": tokenize(PROMPT), "max_tokens": 5}
-        )
-    # P answers after the client left; the proxy gives the hand-off to a D to reject
-    assert _wait(lambda: bed.fabric.released), "P still holds the hand-off"
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "stream"])
+def test_client_leaving_during_the_prefill_aborts_it(bed, streamed):
+    """P is aborted (its connection closed, as vLLM's ``with_cancellation`` then aborts the
+    request) and D never hears of the request; streamed or not."""
+    bed.prefill[0].fail_next(Fault("delay", seconds=1.0))
+    body = {"model": MODEL, "prompt": tokenize(PROMPT), "max_tokens": 5, "stream": streamed}
+    with bed.client(timeout=0.3) as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/completions", json=body)
+    assert _wait(lambda: bed.prefill[0].aborted), "P kept prefilling for a client gone"
+    time.sleep(1.0)  # P's delay is over: had it not been aborted, it would hold the blocks
     assert not bed.fabric.held
-    assert not [r for s in bed.decode for r in s.requests if not r.get("use_beam_search")]
+    assert not [r for s in bed.decode for r in s.requests]  # D never saw it, no release
+    outcome = "disconnected"
+    assert bed.metric("kvcompose_proxy_requests_total", endpoint="completions",
+                      outcome=outcome) == 1  # fmt: skip
 
 
 def test_concurrent_clients_with_faults_lose_and_duplicate_nothing(bed):
@@ -261,13 +266,30 @@ def test_concurrent_clients_with_faults_lose_and_duplicate_nothing(bed):
 
 def test_stop_strings_unit():
     s = StopStrings(["abc"], include_in_output=False)
-    assert s.feed("xxa") == ("x", None)  # "xa" might start "abc": withheld
-    assert s.feed("b") == ("x", None)
-    out, match = s.feed("cyy")
+    assert s.feed("xxa", 1) == ("x", None)  # "xa" might start "abc": withheld
+    assert s.feed("b", 1) == ("x", None)
+    out, match = s.feed("cyy", 1)
     assert out == "" and match is not None and match.stop == "abc"
     assert s.text[: s.emitted] == "xx"
     s = StopStrings(["abc"], include_in_output=True)
-    assert s.feed("xxab")[0] == "xxab" and s.feed("cd")[0] == "c"
+    assert s.feed("xxab", 1)[0] == "xxab" and s.feed("cd", 1)[0] == "c"
+
+
+def test_stop_strings_follow_vllms_detokenizer():
+    """``check_stop_strings``: the match that ends first wins, a tie goes to the earlier
+    stop string in the list; ``BaseIncrementalDetokenizer.update``: none before more than
+    ``min_tokens`` tokens, and none ending in the text of the first ``min_tokens``."""
+    s = StopStrings(["abcd", "bc"], include_in_output=False)
+    assert s.feed("xabcd", 2)[1] == StopMatch("bc", "xa")  # ends first, starts second
+    s = StopStrings(["bc", "abc"], include_in_output=True)
+    assert s.feed("xabc", 1)[1] == StopMatch("bc", "xabc")  # a tie: the list's order
+    s = StopStrings(["b"], include_in_output=False, min_tokens=2)
+    assert s.feed("ab", 1) == ("ab", None)  # token 1 of 2: not checked
+    assert s.feed("c", 1) == ("c", None)  # token 2: not checked either
+    assert s.feed("b", 1) == ("", StopMatch("b", ""))  # token 3: the first "b" is ignored
+    s = StopStrings(["xy"], include_in_output=True, min_tokens=1)
+    s.feed("ax", 1)
+    assert s.feed("y", 1)[1] == StopMatch("xy", "y")  # starting in token 1, ending after
 
 
 def test_pick_least_outstanding_prefers_backends_not_failed():
