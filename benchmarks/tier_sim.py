@@ -6,7 +6,7 @@ two chunk stores modelled as the PrefixStoreConnector behaves in a chain:
 - **keys**: one chunk per 128 tokens, keyed by the whole prefix up to its end (here the
   trace's hash ids of the blocks it covers); a lookup counts the consecutive stored chunks
   inside ``prompt[:-1]`` (``keys.lookup_limit_chunks``);
-- **chain policies** (``composite.lookup.decide``): ``first`` loads from the first tier with
+- **chain policies** (``composite.lookup.Lookup.plan``): ``first`` loads from the first tier with
   a hit, ``longest`` from the tier with the most (ties to the earlier, the fast tier),
   ``stitch`` from the fast tier's prefix and the slow tier from where it ends;
 - **saves**: every tier saves every full prompt chunk it does not hold (write-through), its

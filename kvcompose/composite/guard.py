@@ -5,7 +5,8 @@ It does three things, and nothing else:
 - **normalises** what a child returns where vLLM's contract is strict: ``(0, True)`` from
   ``get_num_new_matched_tokens`` becomes ``(0, False)`` (vLLM's scheduler asserts a positive
   count for async loads), a negative count becomes 0. The owner's positive count is never
-  changed: LMCache asserts it receives exactly what it promised;
+  changed (LMCache asserts it receives exactly what it promised) but in the one case vLLM
+  cannot take: a sync hit that leaves no token to compute is cut back (``leave_one_token``);
 - **counts** every contract violation per child and kind, and logs each kind once per child;
   in ``strict`` mode (for connector authors' tests) it raises ``ContractViolation`` instead;
 - **contains errors** according to the child's ``on_error`` policy: ``miss`` (the default)
@@ -121,6 +122,19 @@ class Guard:
             self.violation(child, "zero_async", "returned (0, True); normalised to (0, False)")
             return 0, False
         return tokens, bool(is_async)
+
+    def leave_one_token(self, child: int, at: int, tokens: int, num_tokens: int, cut: int) -> int:
+        """A sync hit of ``tokens`` at ``at`` that leaves nothing of a ``num_tokens`` request
+        to compute: vLLM's scheduler asserts a sync load leaves at least one token to schedule
+        (``Scheduler.schedule``), so the answer is cut to ``cut`` (the caller's, on a block
+        boundary where the child's range mode needs one), counted and logged once per child."""
+        self.violation(
+            child,
+            "whole_prompt_sync",
+            f"answered {tokens} sync tokens at {at} of a {num_tokens}-token request, "
+            f"leaving vLLM nothing to compute; cut to {cut}",
+        )
+        return cut
 
     # ---------------------------------------------------------------- errors
     def child_error(self, child: int, where: str, exc: BaseException) -> None:

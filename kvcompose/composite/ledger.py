@@ -38,7 +38,8 @@ A segment's failure reaches the scheduler half through the worker's metadata
 (``segments_failed``; vLLM has already read the step's failures when the node sees it), and
 the worker hides it from vLLM: the receive that ends a round with a failed segment is taken
 out of the step's output (the request stays parked) and the record waits in ``RECOVERING``
-for the scheduler half to plan the next round (``kvcompose.composite.recovery.recover``): other
+for the scheduler half to plan the next round
+(``kvcompose.composite.stitch.StitchPlanner.recover``): other
 children reload the failed ranges, and what none can reload is given up at the next receive
 (invalid blocks from ``lost_from`` on, or ``failed_recving`` on several KV cache groups).
 The grant re-cuts the segments at allocation; a segment that cannot be cut is dropped and its

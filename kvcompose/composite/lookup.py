@@ -1,13 +1,27 @@
-"""The lookup of a chain, fan-out or route node (scheduler side): ask the candidates, pick the
-owner, record the decision in the ledger.
+"""The one lookup rule of a chain, fan-out or route node (scheduler side): which children are
+asked, where, who owns what they answer, and how the decision is recorded.
 
-vLLM asks ``get_num_new_matched_tokens`` for every waiting request every step. The scheduler
-half answers the common case itself (a request the node holds no record of, fixed
-candidates, no child taken out of lookups, no debug trace; ``CompositeScheduler``); ``decide``
-here is the whole rule: a request looked up again (pending, or after a failed load that
-excluded its owner), the lookup deadline, route's per-request candidates, and the debug
-decision record. Both apply the same checks: a child's well-formed answer is taken as is,
-anything else goes through the guard (``kvcompose.composite.guard``).
+vLLM asks ``get_num_new_matched_tokens`` for every waiting request every step, with the
+block-aligned local hit, and takes one ``(n, async)`` (``Scheduler.schedule``). Every policy
+goes through ``Lookup.plan``: the candidates (``kvcompose.composite.policies``) are asked in
+order, each child's answer goes through the guard, and the hits become the *plan*, a tuple of
+segments (``kvcompose.composite.segments``):
+
+- ``first`` and ``longest``: at most one segment, the owner's ``[local, local + n)``; who owns
+  is ``Lookup.takes``, the one ownership rule;
+- ``stitch``: each child that can start a segment where the earlier ones end (its
+  ``kvcompose.tree.ranges`` mode and alignment allow it) is asked *there*, and each hit is a
+  segment of one stitched load (``kvcompose.composite.stitch``).
+
+A child still answering ``None`` holds the decision (``longest`` asks the rest first) until
+it answers or the node's lookup deadline passes. A sync plan always leaves vLLM one token to
+compute (``Guard.leave_one_token``); an async one need not (vLLM recomputes the last token
+after the receive, ``Scheduler._update_waiting_for_remote_kv``).
+
+``Lookup.answer`` is what vLLM calls. Its common case (a request the node holds no record of,
+fixed candidates, ``first`` or ``longest``, no child out of lookups, no debug trace) is the
+same rule unrolled for speed: it uses ``takes`` and ``leave_one_token`` too, and
+``tests/composite/test_hot_paths.py`` checks it against ``plan`` on random answers.
 """
 
 from __future__ import annotations
@@ -15,17 +29,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from kvcompose import tree as nodes
 from kvcompose.composite.ledger import LoadState
+from kvcompose.composite.policies import Candidates, RouteLookup, policy_for
+from kvcompose.composite.segments import Segment
+from kvcompose.tree.ranges import RangeSupport, known_range_support
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvcompose.composite.children import Children
-    from kvcompose.composite.guard import Guard
     from kvcompose.composite.ledger import Ledger, LoadRecord
-    from kvcompose.composite.policies import Candidates, LookupPolicy
     from kvcompose.composite.stats import NodeCounters
 
 logger = logging.getLogger("kvcompose")
@@ -33,32 +49,33 @@ logger = logging.getLogger("kvcompose")
 #: A miss, as vLLM's contract spells it.
 MISS = (0, False)
 
+Answer = tuple[int | None, bool]
+Plan = tuple[Segment, ...]
 
-class LookupSide(Protocol):
-    """What ``decide`` reads from its node's scheduler half
-    (``kvcompose.composite.scheduler.CompositeScheduler``)."""
 
-    name: str
-    children: Children
-    guard: Guard
-    counters: NodeCounters
-    ledger: Ledger
-    debug: bool
-    policy: LookupPolicy
-    fixed_candidates: Candidates | None
-    longest: bool
-    stop_at_hit: bool
-    lookup_timeout_s: float
-    lookups: Sequence[Callable[[Request, int], Any]]
+class Pending:
+    """A child answered ``None`` before the lookup could decide."""
+
+
+PENDING = Pending()
 
 
 def well_formed(result: Any) -> bool:
-    """``(n > 0, async)`` or ``(0, False)``: the answers taken without the guard (the scheduler
-    half inlines the same test)."""
+    """``(n > 0, async)`` or ``(0, False)``: the answers taken without the guard's checks
+    (``Lookup.answer`` inlines the same test)."""
     if type(result) is not tuple or len(result) != 2:
         return False
     tokens, is_async = result
     return type(tokens) is int and (tokens > 0 or not is_async)
+
+
+def child_range_supports(tree: nodes.Composite) -> tuple[RangeSupport, ...]:
+    """Each child's range support: a leaf's from its connector class and overrides, a nested
+    composite as one owner."""
+    return tuple(
+        child.range_support() if isinstance(child, nodes.Leaf) else known_range_support(None)
+        for child in tree.children
+    )
 
 
 def deadline_and_exclusions(
@@ -76,78 +93,285 @@ def deadline_and_exclusions(
     return timed_out, record.excluded
 
 
-def decide(
-    sched: LookupSide, request: Request, num_computed_tokens: int, record: LoadRecord | None
-) -> tuple[int | None, bool]:
-    """The node's answer to vLLM for ``request`` (any state, any policy but stitch)."""
-    req_id = request.request_id
-    timed_out, excluded = deadline_and_exclusions(record, sched.lookup_timeout_s)
-    candidates = sched.fixed_candidates or sched.policy.candidates(request)
-    longest = sched.longest
-    names = sched.children.names
-    # what each child answered, kept only for the debug decision record
-    trace: list[str] | None = [] if sched.debug else None
-    best: tuple[int, int, bool] | None = None  # (child, tokens, async)
-    pending = False
-    timeouts: list[int] = []
-    guard = sched.guard
-    disabled = guard.disabled
-    for child in candidates.children:
-        if child in disabled:
-            continue
-        if child in excluded:
-            if trace is not None:
-                trace.append(f"{names[child]}=excluded(failed)")
-            continue
-        try:
-            result = sched.lookups[child](request, num_computed_tokens)
-        except Exception as exc:
-            guard.child_error(child, "get_num_new_matched_tokens", exc)
-            result = MISS
-        if well_formed(result):
-            tokens, is_async = result
-        else:
-            tokens, is_async = guard.normalise_lookup(child, result)
-        if trace is not None:
-            mark = "a" if is_async and tokens else ""
-            trace.append(f"{names[child]}={tokens}{mark}")
-        if tokens is None:
-            if timed_out:
-                timeouts.append(child)
-                continue
-            pending = True
-            if longest:
-                continue
-            break
-        if tokens > 0 and (best is None or (longest and tokens > best[1])):
-            best = (child, tokens, is_async)
-            if sched.stop_at_hit:
-                break
-    if pending:
-        sched.ledger.mark_pending(req_id, time.monotonic())
-        return None, False
-    for child in timeouts:
-        sched.counters.lookup_timeout(child)
-    sched.counters.lookups += 1
-    reason = candidates.reason
-    if timeouts:
-        reason += "+deadline"
-    if excluded:
-        reason += "+fallback"
-    owner, tokens, is_async = best if best is not None else (None, 0, False)
-    if owner is not None or record is not None:  # a plain miss needs no record
-        sched.ledger.decide(req_id, owner, tokens, is_async, reason, num_computed_tokens)
-    if owner is not None:
-        sched.counters.hit(owner, tokens)
-    if trace is not None:
-        logger.debug(
-            "kvcompose[%s] %s: asked [%s] → owner %s, %d tokens%s, by %s",
-            sched.name,
-            req_id,
-            ", ".join(trace),
-            "none" if owner is None else names[owner],
-            tokens,
-            " async" if is_async else "",
-            reason,
+class Lookup:
+    """The lookup of one node's scheduler half, for every policy."""
+
+    def __init__(
+        self,
+        name: str,
+        tree: nodes.Composite,
+        children: Children,
+        counters: NodeCounters,
+        ledger: Ledger,
+        block_size: int,
+        *,
+        ask_every_child: bool,
+    ) -> None:
+        self.name = name
+        self.children = children
+        self.guard = children.guard
+        self.counters = counters
+        self.ledger = ledger
+        self._ledger_ids = ledger.ids
+        self.block_size = block_size
+        self.policy = policy_for(tree)
+        mode = self.policy.mode
+        self.longest = mode == "longest"
+        self.stitching = mode == "stitch"
+        # ``first`` stops at the first hit unless every child must be asked (vLLM's
+        # MultiConnector does: a child that pins or prefetches on lookup relies on it);
+        # the first hit still owns either way.
+        self.stop_at_hit = not (self.longest or ask_every_child)
+        # chain and fan-out ask the same children for every request
+        fixed = not isinstance(self.policy, RouteLookup)
+        self.fixed_candidates = self.policy.candidates(None) if fixed else None  # type: ignore[arg-type]
+        self.lookup_timeout_s = tree.lookup_timeout_s
+        self.range_supports = child_range_supports(tree)
+        self.debug = logger.isEnabledFor(logging.DEBUG)
+        self.lookups: Sequence[Callable[[Request, int], Any]] = ()
+        self._asks: tuple[tuple[int, Callable[[Request, int], Any]], ...] | None = None
+        self._fast_asks: tuple[tuple[int, Callable[[Request, int], Any]], ...] | None = None
+        self._checked_misses: list[object] = []
+        self.guard.on_disable.append(self._choose_path)
+
+    def refresh(self, lookups: Sequence[Callable[[Request, int], Any]]) -> None:
+        """Take the children's (re-)cached ``get_num_new_matched_tokens`` methods."""
+        self.lookups = lookups
+        fixed = self.fixed_candidates
+        self._asks = (
+            tuple((i, lookups[i]) for i in fixed.children)
+            if fixed is not None and not self.stitching
+            else None
         )
-    return tokens, is_async
+        # per child, the last miss it answered, if that was a tuple ``(0, False)``: a child
+        # answering the same object again answered the same (a tuple of an int and a bool
+        # cannot change), so it is not checked again
+        self._checked_misses = [None] * len(lookups)
+        self._choose_path()
+
+    def set_debug(self, debug: bool) -> None:
+        if debug is not self.debug:
+            self.debug = debug
+            self._choose_path()
+
+    def _choose_path(self) -> None:
+        """The fast path's candidates, or None where every lookup takes ``decide``: stitch and
+        route, a debug trace, a child out of lookups."""
+        fast = not (self.debug or self.guard.disabled)
+        self._fast_asks = self._asks if fast else None
+
+    # ------------------------------------------------------------------ the rule
+    def takes(self, best: int, tokens: int) -> bool:
+        """Who owns a hit (``first``, ``longest``): a hit of ``tokens`` replaces the owner so
+        far (``best`` tokens, 0 while there is none) if it is the first, or, for ``longest``,
+        longer (ties go to the earlier child)."""
+        return tokens > best and (best == 0 or self.longest)
+
+    def _leave_one(self, child: int, request: Request, at: int, tokens: int) -> int:
+        """A sync answer reaching the end of ``request``, cut so that vLLM has one token left
+        to compute (``Guard.leave_one_token``): to any token for a child whose load can be cut
+        short, to a block boundary otherwise."""
+        end = request.num_tokens - 1
+        if not self.range_supports[child].can_cut:
+            end -= end % self.block_size
+        return self.guard.leave_one_token(child, at, tokens, request.num_tokens, max(end - at, 0))
+
+    def ask(self, child: int, request: Request, at: int) -> Answer:
+        """One child's lookup at ``at``, through the guard (a raise is a miss)."""
+        try:
+            result = self.lookups[child](request, at)
+        except Exception as exc:
+            self.guard.child_error(child, "get_num_new_matched_tokens", exc)
+            return MISS
+        if well_formed(result):
+            return result  # type: ignore[no-any-return]
+        return self.guard.normalise_lookup(child, result)
+
+    def _cannot_start(self, child: int, covered: int, segments: list[Segment]) -> str | None:
+        """Why ``child`` cannot start a stitch's segment at ``covered`` (None: it can)."""
+        support = self.range_supports[child]
+        if support.mode == "sole_owner" and segments:
+            return "skipped(sole owner)"
+        if support.mode == "natural_end" and any(s.is_async for s in segments):
+            return "skipped(sync stitches only)"
+        align = support.align or self.block_size
+        if covered % align or covered % self.block_size:
+            return f"skipped(start {covered} not on {align})"
+        return None
+
+    def plan(
+        self,
+        request: Request,
+        local: int,
+        candidates: Candidates,
+        excluded: frozenset[int],
+        timed_out: bool,
+        trace: list[str] | None,
+        timeouts: list[int],
+    ) -> Plan | Pending:
+        """Ask the candidates in order; the hits become the plan (see the module docstring)."""
+        names = self.children.names
+        disabled = self.guard.disabled
+        stitching = self.stitching
+        segments: list[Segment] = []
+        best = 0  # the owner's tokens so far (first, longest)
+        covered = local  # where the next segment starts (stitch)
+        pending = False
+        for child in candidates.children:
+            if child in disabled:
+                continue
+            if child in excluded:
+                if trace is not None:
+                    trace.append(f"{names[child]}=excluded(failed)")
+                continue
+            if stitching and (why := self._cannot_start(child, covered, segments)):
+                if trace is not None:
+                    trace.append(f"{names[child]}={why}")
+                continue
+            tokens, is_async = self.ask(child, request, covered)
+            if trace is not None:
+                at = f"@{covered}" if stitching else ""
+                trace.append(f"{names[child]}{at}={tokens}{'a' if is_async and tokens else ''}")
+            if tokens is None:
+                if timed_out:
+                    timeouts.append(child)
+                    continue
+                pending = True
+                if self.longest:
+                    continue
+                break
+            if tokens <= 0:
+                continue
+            support = self.range_supports[child]
+            # sync, and (for a stitch) no earlier segment async: vLLM schedules right away
+            synced = not (is_async or (stitching and any(s.is_async for s in segments)))
+            if synced and covered + tokens >= request.num_tokens:
+                tokens = self._leave_one(child, request, covered, tokens)
+                if tokens <= 0:
+                    continue
+            segment = Segment(
+                child, covered, covered + tokens, is_async, support.mode, support.can_cut
+            )
+            if stitching:
+                if is_async and any(s.mode == "natural_end" for s in [*segments, segment]):
+                    if trace is not None:
+                        trace.append(f"{names[child]}=not taken(async in a sync-only stitch)")
+                    continue
+                segments.append(segment)
+                covered += tokens
+                if support.mode in ("sole_owner", "last_segment"):
+                    break
+            elif self.takes(best, tokens):
+                segments, best = [segment], tokens
+                if self.stop_at_hit:
+                    break
+        return PENDING if pending else tuple(segments)
+
+    def decide(self, request: Request, local: int, record: LoadRecord | None) -> Answer:
+        """The node's answer for ``request`` in any state, by ``plan``; recorded in the
+        ledger (a plain miss of a request without a record needs none)."""
+        req_id = request.request_id
+        timed_out, excluded = deadline_and_exclusions(record, self.lookup_timeout_s)
+        candidates = self.fixed_candidates or self.policy.candidates(request)
+        trace: list[str] | None = [] if self.debug else None
+        timeouts: list[int] = []
+        found = self.plan(request, local, candidates, excluded, timed_out, trace, timeouts)
+        if isinstance(found, Pending):
+            self.ledger.mark_pending(req_id, time.monotonic())
+            return None, False
+        for child in timeouts:
+            self.counters.lookup_timeout(child)
+        self.counters.lookups += 1
+        reason = candidates.reason
+        if timeouts:
+            reason += "+deadline"
+        if excluded:
+            reason += "+fallback"
+        for segment in found:
+            self.counters.hit(segment.child, segment.tokens)
+        if len(found) > 1:
+            stitched = self.ledger.decide_stitch(req_id, found, reason, local)
+            tokens, is_async = stitched.tokens, stitched.is_async
+        else:
+            owner, tokens, is_async = (
+                (found[0].child, found[0].tokens, found[0].is_async) if found else (None, 0, False)
+            )
+            if owner is not None or record is not None:
+                self.ledger.decide(req_id, owner, tokens, is_async, reason, local)
+        if trace is not None:
+            names = self.children.names
+            if len(found) > 1:
+                chosen = " + ".join(f"{names[s.child]}[{s.start},{s.end})" for s in found)
+            else:
+                chosen = f"owner {names[found[0].child] if found else 'none'}"
+            logger.debug(
+                "kvcompose[%s] %s: asked [%s] → %s, %d tokens%s, by %s",
+                self.name,
+                req_id,
+                ", ".join(trace),
+                chosen,
+                tokens,
+                " async" if is_async else "",
+                reason,
+            )
+        return tokens, is_async
+
+    # ------------------------------------------------------------ what vLLM calls
+    def answer(self, request: Request, num_computed_tokens: int) -> Answer:
+        """``get_num_new_matched_tokens``: the common case answered here by the same rule
+        (``takes``, the guard's checks, ``leave_one_token``), everything else by ``decide``."""
+        asks = self._fast_asks
+        if asks is None or request.request_id in self._ledger_ids:
+            return self.decide(request, num_computed_tokens, self.ledger.get(request.request_id))
+        owner = -1
+        tokens = 0
+        is_async = False
+        pending = False
+        checked_misses = self._checked_misses
+        for child, ask in asks:
+            try:
+                result = ask(request, num_computed_tokens)
+            except Exception as exc:
+                self.guard.child_error(child, "get_num_new_matched_tokens", exc)
+                continue  # a miss
+            if result is checked_misses[child]:
+                continue  # the very (immutable) answer that passed the checks before
+            try:
+                n, a = result
+            except Exception:
+                n = a = None  # not a pair: the guard says what it is
+            # well formed (``well_formed``): taken as is
+            if type(n) is not int or (n <= 0 and a) or type(result) is not tuple:
+                n, a = self.guard.normalise_lookup(child, result)
+                if n is None:
+                    pending = True
+                    if self.longest:
+                        continue
+                    break
+            elif n == 0 and a is False:
+                checked_misses[child] = result  # a child answers its miss constant
+                continue
+            if n <= 0:
+                continue
+            if not a and num_computed_tokens + n >= request.num_tokens:
+                n = self._leave_one(child, request, num_computed_tokens, n)
+            if self.takes(tokens, n):
+                owner, tokens, is_async = child, n, a
+                if self.stop_at_hit:
+                    break
+        if pending:
+            self.ledger.mark_pending(request.request_id, time.monotonic())
+            return None, False
+        self.counters.lookups += 1
+        if owner < 0:
+            return MISS  # a plain miss needs no record
+        self.ledger.decide(
+            request.request_id,
+            owner,
+            tokens,
+            is_async,
+            self.fixed_candidates.reason,  # type: ignore[union-attr]
+            num_computed_tokens,
+        )
+        self.counters.hit(owner, tokens)
+        return tokens, is_async

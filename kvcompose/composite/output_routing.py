@@ -12,7 +12,7 @@ them here: a request that finished while loading, with a delayed free, shows vLL
 ``finished_sending`` once both its receive and its send happened. The same way, the receive
 that ends a round of a stitched load with a failed segment is taken out (the request stays
 parked) and the request queued in ``recovering`` for the scheduler half's next step
-(``kvcompose.composite.recovery.recover``).
+(``kvcompose.composite.stitch.StitchPlanner.recover``).
 """
 
 from __future__ import annotations

@@ -16,22 +16,21 @@ common well-formed answers inline.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 
 from kvcompose import tree as nodes
-from kvcompose.composite import lookup, recovery, stitch
 from kvcompose.composite.children import Children
 from kvcompose.composite.finishes import Finishes
 from kvcompose.composite.forwarding import SchedulerForwarding
 from kvcompose.composite.ledger import Ledger, LoadState
-from kvcompose.composite.metadata import CompositeMetadata, StitchLoad
+from kvcompose.composite.lookup import Lookup
+from kvcompose.composite.metadata import CompositeMetadata
 from kvcompose.composite.output_routing import OutputRouter
-from kvcompose.composite.policies import RouteLookup, policy_for
 from kvcompose.composite.stats import NodeCounters
+from kvcompose.composite.stitch import StitchPlanner
 from kvcompose.composite.transfer_params import merge_params
 
 if TYPE_CHECKING:
@@ -70,22 +69,7 @@ class CompositeScheduler(SchedulerForwarding):
     ) -> None:
         super().__init__(name, children, vllm_config.parallel_config.world_size)
         self.counters = counters
-        self.policy = policy_for(tree)
-        self.longest = self.policy.mode == "longest"
-        # ``first`` stops at the first hit unless every child must be asked (vLLM's
-        # MultiConnector does: a child that pins or prefetches on lookup relies on it);
-        # the first hit still owns either way.
-        self.stop_at_hit = not (self.longest or ask_every_child)
-        # chain and fan-out ask the same children for every request
-        fixed = not isinstance(self.policy, RouteLookup)
-        self.fixed_candidates = self.policy.candidates(None) if fixed else None  # type: ignore[arg-type]
-        self.lookup_timeout_s = tree.lookup_timeout_s
-        self.debug = logger.isEnabledFor(logging.DEBUG)  # refreshed every step
         self.block_size = vllm_config.cache_config.block_size
-        self._stitching = self.policy.mode == "stitch"
-        self.range_supports = stitch.child_range_supports(tree)
-        # vLLM refuses invalid block ids on models with several KV cache groups
-        self.block_level_failures = num_kv_groups <= 1
         self.base_hit_sources = base_hit_sources
         self._base_group_ids = base_group_ids
         connectors = children.connectors
@@ -94,17 +78,25 @@ class CompositeScheduler(SchedulerForwarding):
         )
         self.ledger = Ledger()
         self._ledger_ids = self.ledger.ids
+        self.lookup = Lookup(
+            name,
+            tree,
+            children,
+            counters,
+            self.ledger,
+            self.block_size,
+            ask_every_child=ask_every_child,
+        )
+        self.stitches = StitchPlanner(
+            self.lookup, base_hit_sources, block_level_failures=num_kv_groups <= 1
+        )
         self.finishes = Finishes()
         self._outputs = OutputRouter(self.ledger, self.finishes, children)
         self._partial_tails: dict[str, set[int]] = {}  # accepted tails, until the finish
         self._step_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._step_sync_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._step_sends: dict[str, tuple[int, ...]] = {}
-        self.step_stitches: dict[str, StitchLoad] = {}
-        self.step_sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = {}
-        self.step_invalid_blocks: list[int] = []
         self.refresh_child_methods()
-        self.guard.on_disable.append(self._choose_lookup)
 
     def refresh_child_methods(self) -> None:
         """Cache the children's bound methods used on the per-request hot paths. Call again
@@ -116,20 +108,10 @@ class CompositeScheduler(SchedulerForwarding):
         children = self.children
         children.refresh()
         connectors = children.connectors
-        self.lookups = [c.get_num_new_matched_tokens for c in connectors]
+        self.lookup.refresh([c.get_num_new_matched_tokens for c in connectors])
         self.allocs = [c.update_state_after_alloc for c in connectors]
+        self.stitches.allocs = self.allocs
         self._every_alloc = tuple(enumerate(self.allocs))
-        # the fast lookup's candidates: fixed ones (chain, fan-out), with their methods
-        self._asks = (
-            tuple((i, self.lookups[i]) for i in self.fixed_candidates.children)
-            if self.fixed_candidates is not None and not self._stitching
-            else None
-        )
-        # per child, the last miss it answered, if that was a tuple ``(0, False)``: a child
-        # answering the same object again answered the same (a tuple of an int and a bool
-        # cannot change), so it is not checked again
-        self._checked_misses: list[object] = [None] * len(connectors)
-        self._choose_lookup()
         self._new_request = tuple(
             (i, connectors[i].on_new_request) for i in children.implementing("on_new_request")
         )
@@ -142,12 +124,6 @@ class CompositeScheduler(SchedulerForwarding):
             for i, c in enumerate(connectors)
         )
         self._outputs.refresh()
-
-    def _choose_lookup(self) -> None:
-        """The fast lookup's candidates, or None where every lookup takes the general path
-        (``lookup.decide``): stitch and route, a debug trace, a child out of lookups."""
-        fast = not (self.debug or self.guard.disabled)
-        self._fast_asks = self._asks if fast else None
 
     def _one_group(self, child: KVConnectorBase_V1) -> Finisher:
         def finish(request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, Any]:
@@ -182,76 +158,8 @@ class CompositeScheduler(SchedulerForwarding):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """The common case answered here: a request the node holds no record of, fixed
-        candidates, no child out of lookups, no debug trace. The same rule as
-        ``kvcompose.composite.lookup.decide``, which answers everything else."""
-        asks = self._fast_asks
-        if asks is None or request.request_id in self._ledger_ids:
-            record = self.ledger.get(request.request_id)
-            if self._stitching:
-                timed_out, excluded = lookup.deadline_and_exclusions(record, self.lookup_timeout_s)
-                return stitch.lookup(
-                    self, request, num_computed_tokens, record, timed_out, excluded
-                )
-            return lookup.decide(self, request, num_computed_tokens, record)
-        owner = -1
-        tokens = 0
-        is_async = False
-        pending = False
-        checked_misses = self._checked_misses
-        for child, ask in asks:
-            try:
-                result = ask(request, num_computed_tokens)
-            except Exception as exc:
-                self.guard.child_error(child, "get_num_new_matched_tokens", exc)
-                continue  # a miss
-            if result is checked_misses[child]:
-                continue  # the very (immutable) answer that passed the checks before
-            try:
-                n, a = result
-            except Exception:
-                n = a = None  # not a pair: the guard says what it is
-            # well formed (``lookup.well_formed``): taken as is
-            if type(n) is not int or (n <= 0 and a) or type(result) is not tuple:
-                n, a = self.guard.normalise_lookup(child, result)
-                if n is None:
-                    pending = True
-                    if self.longest:
-                        continue
-                    break
-            elif n == 0 and a is False:
-                checked_misses[child] = result  # a child answers its miss constant
-            if n > tokens and (owner < 0 or self.longest):  # the first hit, or a longer one
-                owner, tokens, is_async = child, n, a
-                if self.stop_at_hit:
-                    break
-        if pending:
-            self.ledger.mark_pending(request.request_id, time.monotonic())
-            return None, False
-        self.counters.lookups += 1
-        if owner < 0:
-            return 0, False  # a plain miss needs no record
-        self.ledger.decide(
-            request.request_id,
-            owner,
-            tokens,
-            is_async,
-            self.fixed_candidates.reason,  # type: ignore[union-attr]
-            num_computed_tokens,
-        )
-        self.counters.hit(owner, tokens)
-        return tokens, is_async
-
-    def ask(self, child: int, request: Request, at: int) -> tuple[int | None, bool]:
-        """One child's lookup at ``at``, through the guard (a raise is a miss)."""
-        try:
-            result = self.lookups[child](request, at)
-        except Exception as exc:
-            self.guard.child_error(child, "get_num_new_matched_tokens", exc)
-            return 0, False
-        if lookup.well_formed(result):
-            return result  # type: ignore[no-any-return]
-        return self.guard.normalise_lookup(child, result)
+        """Every policy's answer comes from the one rule (``kvcompose.composite.lookup``)."""
+        return self.lookup.answer(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -267,7 +175,7 @@ class CompositeScheduler(SchedulerForwarding):
             return
         record = self.ledger.allocated(req_id, num_external_tokens)
         if record is not None and record.segments:
-            stitch.allocated(self, record, request, blocks, num_external_tokens)
+            self.stitches.allocated(record, request, blocks, num_external_tokens)
             return
         owner = record.owner if record is not None else None
         for i, alloc in self._every_alloc:
@@ -298,7 +206,7 @@ class CompositeScheduler(SchedulerForwarding):
         record = self.ledger.get(request.request_id)
         default = self.base_hit_sources(request, num_external_tokens)
         if record is not None and record.segments:
-            return stitch.hit_sources(self, record, request) or default
+            return self.stitches.hit_sources(record, request) or default
         owner = None if record is None else record.owner
         if owner is None:
             return default
@@ -309,7 +217,7 @@ class CompositeScheduler(SchedulerForwarding):
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         record = self.ledger.get(request.request_id)
         if record is not None and record.segments:
-            return stitch.group_ids(self, record, request)
+            return self.stitches.group_ids(record, request)
         owner = None if record is None else record.owner
         if owner is None:
             return self._base_group_ids(request)
@@ -317,27 +225,22 @@ class CompositeScheduler(SchedulerForwarding):
 
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CompositeMetadata:
-        debug = logger.isEnabledFor(logging.DEBUG)
-        if debug is not self.debug:
-            self.debug = debug
-            self._choose_lookup()
+        self.lookup.set_debug(logger.isEnabledFor(logging.DEBUG))
         if self._outputs.recovering:  # receives held back for a recovery round
             self._recovery_round()
-        invalid_blocks = self.step_invalid_blocks
         children = tuple([c.build_connector_meta(scheduler_output) for c in self._connectors])
+        stitches, sync_segments, invalid_blocks = self.stitches.take_step()
         metadata = CompositeMetadata(
             children,
             self._step_loads,
             self._step_sync_loads,
             self._step_sends,
-            self.step_stitches,
-            self.step_sync_segments,
+            stitches,
+            sync_segments,
         )
         self._step_loads, self._step_sync_loads, self._step_sends = {}, {}, {}
-        self.step_stitches, self.step_sync_segments = {}, {}
-        if invalid_blocks:  # a stitch's sync range no segment loads (``recovery.given_up``)
-            metadata.invalid_blocks = tuple(invalid_blocks)
-            self.step_invalid_blocks = []
+        if invalid_blocks:  # a stitch's sync range no segment loads
+            metadata.invalid_blocks = invalid_blocks
         return metadata
 
     def _recovery_round(self) -> None:
@@ -347,7 +250,7 @@ class CompositeScheduler(SchedulerForwarding):
         held, self._outputs.recovering = self._outputs.recovering, []
         own = [req_id for req_id, child in held if child is None]
         if own:
-            recovery.recover(self, own)
+            self.stitches.recover(own)
         for req_id, child in held:
             if child is not None:
                 record = self.ledger.get(req_id)

@@ -14,10 +14,10 @@ loads, in the request's ``LoadRecord`` (``kvcompose.composite.ledger``)::
               └─ alloc: straddles the grant's end, cannot be cut ▶ DROPPED (told 0; its part
                                                                   of the grant is lost)
 
-A **recovery** (``kvcompose.composite.recovery.recover``) gives a failed segment's range to a
-new segment of another child, a *reload* (``reload=True``) that starts ``LOADING`` or
-``LOADED`` like any other, or gives the range up (vLLM recomputes it). Segments are appended
-in load rounds: the first round is the lookup's, each recovery adds one.
+A **recovery** (``kvcompose.composite.stitch.StitchPlanner.recover``) gives a failed
+segment's range to a new segment of another child, a *reload* (``reload=True``) that starts
+``LOADING`` or ``LOADED`` like any other, or gives the range up (vLLM recomputes it). Segments
+are appended in load rounds: the first round is the lookup's, each recovery adds one.
 
 The request is loaded when no segment is ``LOADING`` and none is ``FAILED``.
 """

@@ -6,6 +6,11 @@ general rule for a child taken out of lookups."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
+from vllm.v1.request import RequestStatus
+
 from kvcompose.composite.children import inherits_base
 from kvcompose.testing.noop import MODULE_PATH, NoopConnector
 from kvcompose.testing.scripted import Behaviour, leaf, script
@@ -71,3 +76,52 @@ def test_a_child_that_missed_before_still_owns_its_hit(harness):
     h.run_until_idle()
     assert h.connector.stats_totals()["counters"]["lookups"] == len(earlier) + 1
     h.assert_clean()
+
+
+def _random_behaviour(rng, prompt_len: int) -> Behaviour:
+    """One child's answer, drawn from everything a lookup can return: a miss, a hit (sync or
+    async, the whole prompt included), ``None`` once, or a malformed ``(0, True)``."""
+    kind = rng.random()
+    if kind < 0.1:
+        return Behaviour(pending_lookups=1)
+    if kind < 0.2:
+        return Behaviour(break_zero_async=True)
+    tokens = rng.choice([0, 0, 16, 32, 48, prompt_len - 1, prompt_len])
+    return Behaviour(
+        tokens=tokens, is_async=rng.random() < 0.4, break_whole_prompt=rng.random() < 0.3
+    )
+
+
+@pytest.mark.parametrize("policy", ["first", "longest"])
+def test_the_fast_lookup_answers_as_the_general_rule(harness, policy):
+    """The unrolled common case (``Lookup.answer``) and the general rule (``Lookup.decide``,
+    through ``plan``) give the same answer and record the same owner for the same children's
+    answers, over 300 random draws (each draw asks two request ids, one on each path)."""
+    rng = random.Random(20261202)
+    names = ("a", "b", "c")
+    scripts = [script(n, Behaviour()) for n in names]
+    h = harness(kvcompose_config(chain("root", *(leaf(n) for n in names), policy=policy)))
+    side = h.connector.scheduler_side
+    lookup = side.lookup
+    for draw in range(300):
+        prompt_len = rng.choice([40, 64, 80])
+        local = rng.choice([0, 0, 16])
+        tokens = h.make_prompt(prompt_len, seed=draw)
+        fast, general = f"fast-{draw}", f"general-{draw}"
+        for s in scripts:
+            s.per_request[fast] = s.per_request[general] = _random_behaviour(rng, prompt_len)
+        answers = []
+        for req_id in (fast, general):
+            request = h.add_request(tokens, request_id=req_id, max_tokens=1)
+            h.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+            if req_id == fast:
+                assert lookup._fast_asks is not None  # the fast path is taken
+                answer = lookup.answer(request, local)
+            else:
+                answer = lookup.decide(request, local, None)
+            record = side.ledger.finished(req_id)
+            answers.append((answer, None if record is None else (record.owner, record.tokens)))
+        assert answers[0] == answers[1], f"draw {draw}: {[s.per_request[fast] for s in scripts]}"
+        if answers[0][0][0] and not answers[0][0][1]:
+            assert local + answers[0][0][0] < prompt_len  # a sync load leaves a token
+        side.guard.lookup_errors.clear()

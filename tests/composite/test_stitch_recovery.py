@@ -32,7 +32,7 @@ def several_groups(h) -> None:
     invalid blocks there). The tiny model has one group, so vLLM's own handling of the
     ``failed_recving`` the node then sends is the same as on such a model. What the stand-in
     cannot show vLLM refusing is checked here: no invalid block id goes up."""
-    h.connector.scheduler_side.block_level_failures = False
+    h.connector.scheduler_side.stitches.block_level_failures = False
     worker = h.worker_connector
     load_errors = worker.get_block_ids_with_load_errors
 
