@@ -326,7 +326,7 @@ def usage(finish: Finish) -> dict[str, int]:
 
 def error_body(message: str, status: int, err_type: str | None = None,
                param: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """vLLM's ``ErrorResponse`` (``serve/engine/protocol.py`` 79-87)."""
+    """vLLM's ``ErrorResponse`` (``serve/engine/protocol.py``)."""
     kinds = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
     kind = err_type or kinds.get(status, "InternalServerError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -3,10 +3,11 @@
 Every failure comes out as a :class:`BackendError` that says whether the backend is at fault
 (unreachable, timed out, 5xx, a broken stream: retry elsewhere) or the request is (4xx:
 pass the backend's answer to the client). The shapes parsed here are vLLM 0.32's:
-``vllm/entrypoints/openai/completion/serving.py`` (stream chunks, lines 395-443; the usage
-chunk, 471-492; a generation error mid-stream is one ``data: {"error": ...}`` event and then
-``[DONE]``, 497-503) and ``completion/protocol.py`` (``CompletionStreamResponse``,
-``kv_transfer_params`` on ``CompletionResponse``).
+``vllm/entrypoints/openai/completion/serving.py`` (``OpenAIServingCompletion.
+completion_stream_generator``: the stream chunks, the usage chunk, and a generation error
+mid-stream as one ``data: {"error": ...}`` event and then ``[DONE]``) and
+``completion/protocol.py`` (``CompletionStreamResponse``, ``kv_transfer_params`` on
+``CompletionResponse``).
 """
 
 from __future__ import annotations
@@ -162,12 +163,13 @@ class Transport:
         """Make decode engine ``backend`` reject a hand-off, so its connector frees P's blocks.
 
         vLLM 0.32 wraps ``create_completion`` in ``_with_kv_transfer_rejection_cleanup``
-        (``entrypoints/generate/base/serving.py`` 271-303): a request carrying
+        (``entrypoints/generate/base/serving.py``): a request carrying
         ``do_remote_prefill`` that ends in an ``ErrorResponse`` before reaching the engine
         is submitted pre-aborted (``AsyncLLM.notify_kv_transfer_request_rejected``), and
         NIXL's ``request_finished`` on D then queues the notification that makes P free the
-        blocks (``nixl/pull_scheduler.py`` 219-230). ``stream`` with ``use_beam_search`` is
-        such an error (``completion/serving.py`` 130-133): nothing is read or computed.
+        blocks (its ``do_remote_prefill`` branch). ``stream`` with ``use_beam_search`` is
+        such an error (``OpenAIServingCompletion._create_completion``'s first check):
+        nothing is read or computed.
         Returns the HTTP status (400 expected)."""
         body = {
             "prompt": [0],

@@ -2,10 +2,13 @@
 
 It answers what the proxy calls, in vLLM 0.32's shapes: ``/tokenize`` (``serve/tokenize``),
 ``/v1/completions`` as prefill (non-streamed, ``kv_transfer_params`` on the response,
-``completion/protocol.py`` 686-700) and as decode (SSE chunks with ``token_ids`` and
-``stop_reason``, ``completion/serving.py`` 395-443; a generation error is a
-``data: {"error": ...}`` event then ``[DONE]``, 497-503), the hand-off rejection of
-``generate/base/serving.py`` 271-303, ``/health`` and ``/v1/models``. The faults imitate
+``completion/protocol.py``, ``CompletionResponse``) and as decode (SSE chunks with
+``token_ids`` and ``stop_reason``; a generation error is a ``data: {"error": ...}`` event
+then ``[DONE]``: ``OpenAIServingCompletion.completion_stream_generator``), the hand-off
+rejection of ``_with_kv_transfer_rejection_cleanup`` (``generate/base/serving.py``),
+``/health`` and ``/v1/models``; the budget (``get_max_tokens``) and stop-string rules
+(``check_stop_strings``) of vLLM, and its abort of a request whose client left
+(``with_cancellation``). The faults imitate
 what the proxy must survive: a 5xx, a KV load failure (vLLM's ``kv_load_failure_policy:
 fail``), vllm-ascend's recompute scheduler giving a request back (``finish_reason: "stop"``,
 ``stop_reason: "recomputed"``, no tokens: ``vllm_ascend/core/recompute_scheduler.py``,
@@ -177,7 +180,7 @@ class ScriptedVLLM:
                 and body.get("stream")
                 and body.get("use_beam_search")
             ):
-                # generate/base/serving.py 271-303 + nixl/pull_scheduler.py 219-230
+                # _with_kv_transfer_rejection_cleanup + NIXL's request_finished
                 self.fabric.release(params["remote_request_id"])
                 return _err("Streaming is not currently supported with beam search", 400)
             fault = self._take_fault()

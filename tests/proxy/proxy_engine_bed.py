@@ -207,7 +207,7 @@ def idle(servers: dict[str, VLLMServer], timeout: float = 60.0) -> dict[str, dic
 def injected(servers: dict[str, VLLMServer], names: Iterable[str], marker: str) -> int:
     """Requests whose id contains ``marker`` that a decode server ended in an error: vLLM
     logs ``Request cmpl-<id> failed with an internal error during generation``
-    (``generate/base/serving.py`` 200-207) when the injected load failure ends them."""
+    (``GenerateBaseServing._raise_if_error``) when the injected load failure ends them."""
     return sum(
         1
         for d in names
