@@ -29,9 +29,6 @@ MAX_SHOWN = 60
 MAX_MESSAGE = 1000
 #: Names listed in a message ("children: a, b, ...").
 MAX_LISTED = 12
-#: Below this size a YAML syntax error is parsed again by PyYAML's pure-Python parser,
-#: whose messages are clearer than libyaml's ("found '-'" rather than "did not find").
-CLEAR_SYNTAX_ERRORS_BYTES = 256 * 1024
 
 
 def size_text(n: int) -> str:

@@ -1,9 +1,15 @@
-"""Checking Python data that did not come from a file: is it plain JSON, and bounded?
+"""The one walk over a config's data: is it plain JSON, bounded, and where is each path?
 
-A ``kv_connector_extra_config`` from vLLM, a dict handed to ``load_config``, an override
-value: whatever reaches ``vllm-args`` must be JSON (vLLM passes the config on as JSON), and
-nothing may make validation recurse without end or expand without bound. Shared objects
-count once per reference, as YAML aliases do, against ``MAX_ALIAS_NODES``.
+Whatever reaches ``vllm-args`` must be JSON (vLLM passes the config on as JSON), and nothing
+may make validation recurse without end or expand without bound. The same walk checks data
+read from YAML or JSON text (``reader``: its ``NotJson`` markers and repeated keys are
+reported here, at their path and line) and data handed over in Python (a
+``kv_connector_extra_config``, a dict given to ``load_config``, an override value).
+
+Shared objects (YAML aliases, or one Python object referred to twice) are visited once and
+count once per reference against ``MAX_ALIAS_NODES``, so an alias bomb costs what its text
+costs; an object that contains itself is refused. The walk is iterative: nesting never
+meets Python's recursion limit.
 """
 
 from __future__ import annotations
@@ -14,87 +20,132 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvcompose.config.errors import ConfigError, ErrorItem, Path, describe
+from kvcompose.config.errors import ConfigError, ErrorItem, LineMap, Path, describe, shown
 from kvcompose.config.limits import MAX_ALIAS_NODES, MAX_DEPTH, MAX_INT_DIGITS
+from kvcompose.config.reader import Marks, NotJson
 
 _SCALARS = (str, bool, type(None))
 #: Integers with more digits than this are refused (checked by magnitude, not by str()).
 _INT_BOUND = 10**MAX_INT_DIGITS
+#: Problems reported at most (the first is the message; the count says how many more).
+_MAX_PROBLEMS = 50
 
 
-def check_plain(data: Any, label: str | None, prefix: Path = ()) -> None:
-    """Raise ``ConfigError`` unless ``data`` is plain JSON data of bounded size and depth."""
-    sizes: dict[int, int] = {}
-    active: set[int] = set()
-    aliased = 0
-    # frames: [object, path, depth, iterator of (path, child), size]
+class _Stop(Exception):
+    """A problem that ends the walk (the data cannot be walked further)."""
+
+
+def check_plain(
+    data: Any, label: str | None, prefix: Path = (), marks: Marks | None = None
+) -> LineMap:
+    """The line of each path (from ``marks``, when the data was read from text); raises
+    ``ConfigError`` unless ``data`` is plain JSON data of bounded size and depth."""
+    marks = marks or Marks()
+    linemap = LineMap({prefix: marks.root} if marks.root else {})
+    # text shares by aliases, Python by references: the messages say which
+    shared = (
+        "YAML aliases expand this document by more than {:,} nodes (an alias bomb?)"
+        if marks.root
+        else "shared objects expand this config by more than {:,} nodes"
+    )
+    contains = (
+        "this alias refers to a node that contains it"
+        if marks.root
+        else "refers to a mapping or list that contains it"
+    )
+    problems: list[ErrorItem] = []
+    sizes: dict[int, int] = {}  # id(container) -> nodes it stands for, shared ones expanded
+    active: set[int] = set()  # containers on the current path
+    aliased = 0  # nodes that shared objects add
+    # frames: [container, path, depth, iterator of (key, child), size]
     stack: list[list[Any]] = []
 
-    def fail(path: Path, message: str) -> ConfigError:
-        return ConfigError(ErrorItem(path, message), label)
+    def problem(path: Path, message: str, line: int | None = None, *, stop: bool = False) -> None:
+        item = ErrorItem(path, message, line or linemap.get(path))
+        if stop:
+            problems[:] = [item]
+            raise _Stop
+        if len(problems) < _MAX_PROBLEMS:
+            problems.append(item)
 
     def enter(value: Any, path: Path, depth: int) -> int | None:
+        """The size of a scalar or an already seen container; None when a frame was pushed."""
         nonlocal aliased
-        if isinstance(value, _SCALARS):
+        if isinstance(value, (*_SCALARS, BaseModel)):  # BaseModel: a node handed over as is
+            return 1
+        if isinstance(value, NotJson):
+            problem(path, value.message)
             return 1
         if isinstance(value, int):
             if abs(value) >= _INT_BOUND:
-                raise fail(path, f"integer is too large (more than {MAX_INT_DIGITS} digits)")
+                problem(path, f"integer is too large (more than {MAX_INT_DIGITS} digits)")
             return 1
         if isinstance(value, float):
             if not math.isfinite(value):
-                raise fail(
-                    path, f"{value} is not a JSON value (NaN and infinities have no JSON form)"
-                )
-            return 1
-        if isinstance(value, BaseModel):  # a node object handed over as is
+                problem(path, f"{value} is not a JSON value (NaN and infinities have no JSON form)")
             return 1
         if not isinstance(value, (Mapping, list, tuple)):
-            raise fail(
+            problem(
                 path,
                 f"{describe(value)} is not a JSON value (expected mappings, "
                 "lists, strings, numbers, booleans or null)",
             )
+            return 1
         key = id(value)
         if key in active:
-            raise fail(
-                path,
-                "refers to a mapping or list that contains it (a recursive "
-                "structure cannot be written as JSON)",
+            problem(
+                path, f"{contains} (a recursive structure cannot be written as JSON)", stop=True
             )
         if key in sizes:
             aliased += sizes[key]
             if aliased > MAX_ALIAS_NODES:
-                raise fail(
-                    path,
-                    f"shared objects expand this config by more than {MAX_ALIAS_NODES:,} nodes",
-                )
+                problem(path, shared.format(MAX_ALIAS_NODES), stop=True)
             return sizes[key]
         if depth > MAX_DEPTH:
-            raise fail(path[: MAX_DEPTH // 4], f"nested more than {MAX_DEPTH} levels deep")
-        if isinstance(value, Mapping):
-            for k in value:
-                if not isinstance(k, str):
-                    raise fail(path, f"keys must be strings, got {describe(k)}")
-            children: Any = (((*path, k), v) for k, v in value.items())
-        else:
-            children = (((*path, i), v) for i, v in enumerate(value))
+            problem(path[: MAX_DEPTH // 4], f"nested more than {MAX_DEPTH} levels deep", stop=True)
+        lines = marks.lines.get(key, {})
+        for child, line in lines.items():
+            linemap[(*path, child)] = line
+        for child, text in marks.hints.get(key, {}).items():
+            linemap.hints[(*path, child)] = text
+        for name, line, first in marks.duplicates.get(key, ()):
+            problem((*path, name), f"duplicate key {shown(name)} (first set on line {first})", line)
+        children: Any = value.items() if isinstance(value, Mapping) else enumerate(value)
         active.add(key)
         stack.append([value, path, depth, iter(children), 1])
         return None
 
-    if enter(data, prefix, 0) is not None:
-        return
-    while stack:
-        frame = stack[-1]
-        step = next(frame[3], None)
-        if step is None:
-            stack.pop()
-            active.discard(id(frame[0]))
-            sizes[id(frame[0])] = frame[4]
-            if stack:
-                stack[-1][4] += frame[4]
-            continue
-        size = enter(step[1], step[0], frame[2] + 1)
-        if size is not None:
-            frame[4] += size
+    try:
+        if enter(data, prefix, 0) is None:
+            while stack:
+                frame = stack[-1]
+                step = next(frame[3], None)
+                if step is None:  # the container is done
+                    stack.pop()
+                    active.discard(id(frame[0]))
+                    sizes[id(frame[0])] = frame[4]
+                    if stack:
+                        stack[-1][4] += frame[4]
+                    continue
+                key, child = step
+                if type(child) is str and type(key) is str:  # most of a config, at once
+                    frame[4] += 1
+                    continue
+                if not isinstance(key, str) and isinstance(frame[0], Mapping):
+                    # reported at the mapping, on the key's line; its value is not walked
+                    message = (
+                        key.message
+                        if isinstance(key, NotJson)
+                        else f"keys must be strings, got {describe(key)}"
+                    )
+                    problem(frame[1], message, linemap.get((*frame[1], key)))
+                    frame[4] += 1
+                    continue
+                size = enter(child, (*frame[1], key), frame[2] + 1)
+                if size is not None:
+                    frame[4] += size
+    except _Stop:
+        pass
+    if problems:
+        raise ConfigError(problems, label)
+    return linemap

@@ -1,12 +1,10 @@
 """Reading config files and standard input into plain data plus the line of each path.
 
 Files and standard input take the same road: bytes (at most ``MAX_FILE_BYTES``), UTF-8 with
-or without a BOM (a bad byte or a NUL is reported with its line), then JSON or YAML. JSON
-is ``.json`` files, and standard input that parses as JSON; everything else is YAML.
-Either way the result is plain JSON data: ``yamlscan`` refuses what is not, and duplicate
-keys, before anything is built.
-
-YAML is composed once, with libyaml when PyYAML has it, and built from the same node graph.
+or without a BOM (a bad byte or a NUL is reported with its line), then one parse
+(``reader``: YAML, or JSON for ``.json`` files and standard input that starts as a JSON
+object) and one walk (``plain.check_plain``) that refuses what is not plain JSON and maps
+each path to its line.
 """
 
 from __future__ import annotations
@@ -15,8 +13,8 @@ import codecs
 import contextlib
 import errno
 import gc
-import json
 import os
+import re
 import select
 import stat
 from collections.abc import Iterator
@@ -25,19 +23,11 @@ from typing import IO, Any
 
 import yaml
 
-from kvcompose.config import limits
+from kvcompose.config import limits, reader
 from kvcompose.config.errors import ConfigError, ErrorItem, LineMap
-from kvcompose.config.limits import (
-    CLEAR_SYNTAX_ERRORS_BYTES,
-    MAX_DEPTH,
-    MAX_FILE_BYTES,
-    MAX_INT_DIGITS,
-    size_text,
-)
+from kvcompose.config.limits import MAX_DEPTH, MAX_FILE_BYTES, size_text
 from kvcompose.config.plain import check_plain
-from kvcompose.config.yamlscan import build, scan
 
-_Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 STDIN = "<stdin>"
 
 
@@ -137,21 +127,17 @@ def _os_error(exc: OSError) -> str:
 
 
 def parse_bytes(raw: bytes, label: str, kind: str, *, path: str | None = None) -> Source:
-    """``kind``: ``json``, ``yaml`` or ``auto`` (JSON when the text parses as JSON)."""
+    """``kind``: ``json``, ``yaml`` or ``auto`` (JSON when the text starts as a JSON object
+    does, ``{"`` or ``{}``)."""
     text = decode(raw, label)
     if kind == "auto":
-        kind = "json" if text.lstrip()[:1] in ("{", "[") and _is_json(text) else "yaml"
-    source = parse_json(text, label) if kind == "json" else parse_yaml(text, label)
+        kind = "json" if _JSON_START.match(text) else "yaml"
+    source = parse_text(text, label, kind == "json")
     source.path = path
     return source
 
 
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except (ValueError, RecursionError):
-        return False
-    return True
+_JSON_START = re.compile(r'\s*\{\s*["}]')
 
 
 def decode(raw: bytes, label: str) -> str:
@@ -200,127 +186,36 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-# --------------------------------------------------------------------------- JSON
-
-
-class _Refused(ValueError):
-    """Something JSON's parser accepts that a config must not hold."""
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Refused(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _constant(text: str) -> Any:
-    raise _Refused(f"{text} is not valid JSON (NaN and infinities have no JSON form)")
-
-
-def _int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise _Refused(
-            f"integer with {len(text.lstrip('-'))} digits is too large (at most {MAX_INT_DIGITS})"
-        )
-    return int(text)
-
-
-def _float(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise _Refused(f"number {text[:20]}... is too large")
-    return value
-
-
-def parse_json(text: str, label: str | None = None) -> Source:
+def parse_text(text: str, label: str | None = None, json: bool = False) -> Source:
+    """The data of YAML (or, with ``json``, JSON) text and the line of each path."""
     with gc_paused():
         try:
-            data = json.loads(
-                text,
-                object_pairs_hook=_pairs,
-                parse_constant=_constant,
-                parse_int=_int,
-                parse_float=_float,
-            )
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                ErrorItem((), f"JSON syntax error: {exc.msg} (column {exc.colno})", exc.lineno),
-                label,
-            ) from None
-        except _Refused as exc:
-            _lines(text, label)  # raises the same problem with its line, when it can
-            raise ConfigError(str(exc), label) from None
+            read = reader.read(text, json)
+        except yaml.YAMLError as exc:
+            raise ConfigError(_syntax_error(exc, text, "JSON" if json else "YAML"), label) from None
         except RecursionError:
             raise ConfigError(f"nested more than {MAX_DEPTH} levels deep", label) from None
-        linemap = _lines(text, label)
-        if linemap is None:  # YAML cannot compose this JSON: check the data instead
-            check_plain(data, label)
-            linemap = LineMap()
+        if read is None:
+            raise ConfigError("empty document", label)
+        data, marks = read
+        linemap = check_plain(data, label, marks=marks)
     return Source(data, label, linemap, label)
 
 
-def _lines(text: str, label: str | None) -> LineMap | None:
-    """The line map of JSON text, from the YAML composer; None when it cannot compose it."""
-    try:
-        node = _compose(text)
-    except (yaml.YAMLError, RecursionError):
-        return None
-    return scan(node, label, json_text=True) if node is not None else LineMap()
-
-
-# --------------------------------------------------------------------------- YAML
-
-
-def _compose(text: str) -> yaml.Node | None:
-    loader = _Loader(text)
-    try:
-        return loader.get_single_node()
-    finally:
-        loader.dispose()
-
-
-def parse_yaml(text: str, label: str | None = None) -> Source:
-    with gc_paused():
-        loader = _Loader(text)
-        try:
-            try:
-                node = loader.get_single_node()
-            except yaml.YAMLError as exc:
-                raise ConfigError(_yaml_error(exc, text), label) from None
-            except RecursionError:
-                raise ConfigError(f"nested more than {MAX_DEPTH} levels deep", label) from None
-            if node is None:
-                raise ConfigError("empty document", label)
-            data, linemap = build(node, label)
-        finally:
-            loader.dispose()
-    return Source(data, label, linemap, label)
-
-
-def _yaml_error(exc: yaml.YAMLError, text: str) -> ErrorItem:
-    if _Loader is not yaml.SafeLoader and len(text) <= CLEAR_SYNTAX_ERRORS_BYTES:
-        try:  # PyYAML's own parser words its errors better than libyaml
-            yaml.compose(text, Loader=yaml.SafeLoader)
-        except yaml.YAMLError as clearer:
-            exc = clearer
-        except RecursionError:
-            pass
+def _syntax_error(exc: yaml.YAMLError, text: str, kind: str) -> ErrorItem:
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or str(exc)
+    line = mark.line + 1 if mark is not None else None
     if "maximum nesting depth" in problem:  # libyaml's own limit (1000)
-        return ErrorItem(
-            (),
-            f"nested more than {MAX_DEPTH} levels deep",
-            mark.line + 1 if mark is not None else None,
-        )
+        return ErrorItem((), f"nested more than {MAX_DEPTH} levels deep", line)
+    found = text[mark.index] if mark is not None and mark.index < len(text) else " "
+    parsing = not isinstance(exc, yaml.constructor.ConstructorError)
+    if parsing and "'" not in problem and not found.isspace():  # libyaml does not say it
+        problem += f", found {found!r}"
+    message = f"{kind} syntax error: {problem}"
     context = getattr(exc, "context", None)
-    message = f"YAML syntax error: {problem}"
     if context:
         message += f" ({context})"
-    line = mark.line + 1 if mark is not None else None
     if mark is not None:
         message += f" (column {mark.column + 1})"
     return ErrorItem((), message, line)

@@ -247,3 +247,38 @@ def test_a_kvcompose_args_file_named_by_config(
         "args.json:1: kv_connector: 'KVCompose' is the kvcompose connector itself: name a "
         "kvcompose document here, not a --kv-transfer-config"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"tree": {"leaf": {"connector": X}}}', "1: JSON syntax error: unquoted text 'X': JSON"),
+        ("{'tree': {}}", "1: JSON syntax error: a single-quoted string: JSON strings are in"),
+        ('{"tree": {"leaf": {\n "connector": "X",\n}}}', "2: JSON syntax error: a trailing comma"),
+        ('{"a": &x 1, "b": *x}', "1: JSON syntax error: an alias (*name) is YAML, not JSON"),
+        ('{"a": !!str 1}', "1: JSON syntax error: unquoted text '1'"),
+        ("tree:\n  leaf: {}\n", "1: JSON syntax error: a YAML block mapping or list"),
+    ],
+)
+def test_json_files_hold_json_only(text: str, message: str, tmp_path: Path) -> None:
+    """A .json file is read by the YAML parser, as JSON: the YAML JSON has not is refused
+    with its line (a trailing comma too, which vLLM's json.loads would refuse)."""
+    (tmp_path / "c.json").write_text(text)
+    assert load(str(tmp_path / "c.json")).startswith(f"{tmp_path / 'c.json'}:{message}")
+
+
+def test_json_numbers_are_json_numbers(tmp_path: Path) -> None:
+    """``1e-3`` is a number in JSON (YAML 1.1 reads it as text), in a file and on stdin."""
+    from kvcompose.config import load_config
+
+    text = (
+        '{"tree": {"chain": {"lookup_timeout_s": 1e-3, "children": '
+        '[{"leaf": {"connector": "ExampleConnector"}}]}}}'
+    )
+    (tmp_path / "c.json").write_text(text)
+    tree = load_config(str(tmp_path / "c.json"), env={}, check_vllm=False).tree
+    assert tree.lookup_timeout_s == 0.001  # type: ignore[union-attr]
+    assert cli("validate", "-", cwd=tmp_path, stdin=text.encode())[0] == 0
+    # flow-style YAML on standard input is YAML
+    flow = b"{tree: {leaf: {connector: ExampleConnector}}}"
+    assert cli("validate", "-", cwd=tmp_path, stdin=flow)[0] == 0
