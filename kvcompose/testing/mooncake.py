@@ -21,6 +21,7 @@ See docs/shared-tier.md.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import json
@@ -277,6 +278,7 @@ class MooncakeCluster:
     # ------------------------------------------------------------------ servers
 
     def start(self) -> MooncakeCluster:
+        atexit.register(self.stop)  # also when the caller never reaches its own stop()
         try:
             self.start_master()
             self.pool.start()
@@ -320,7 +322,9 @@ class MooncakeCluster:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        """End every engine, then the pool and the master (each by its own pid)."""
+        """End every engine, then the pool and the master (each by its own pid); again
+        is a no-op."""
+        atexit.unregister(self.stop)
         engines, self._engines = self._engines, []
         for engine in engines:
             with contextlib.suppress(Exception):

@@ -36,6 +36,8 @@ PROMPTS = {name: prompt(n, seed) for name, n, seed in [
     ("p1", 200, 11), ("p2", 256, 12), ("p3", 256, 13), ("p4", 256, 14),
     ("p5", 256, 15), ("p6", 256, 16),
 ]}  # fmt: skip
+#: the requests in flight when the master is killed, and how many tokens they decode
+IN_FLIGHT, LONG = ("p5", "p6"), 64
 #: fresh prompts for the rounds after the master came back (one per round)
 AFTER = [f"after{i}" for i in range(8)]
 PROMPTS.update({name: prompt(256, 30 + i) for i, name in enumerate(AFTER)})
@@ -57,7 +59,10 @@ def reference(model: Path, tmp_path_factory) -> dict[str, list[int]]:
         model, None, name="reference", llm_kwargs=LLM_KWARGS, log_file=log
     ) as engine:
         outs = engine.generate(list(PROMPTS.values()), MAX_TOKENS)
-    return {name: out[0] for name, out in zip(PROMPTS, outs, strict=True)}
+        ref = {name: out[0] for name, out in zip(PROMPTS, outs, strict=True)}
+        for name in IN_FLIGHT:  # the requests the master dies under decode this long
+            ref[f"{name}-long"] = engine.generate([PROMPTS[name]], LONG)[0][0]
+    return ref
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +85,12 @@ def engines(cluster: MooncakeCluster, model: Path, tmp_path_factory) -> dict[str
     return out
 
 
-def run(engine: EngineProcess, name: str, n: int | None = None) -> list[int]:
+def run(
+    engine: EngineProcess, name: str, n: int | None = None, max_tokens: int = MAX_TOKENS
+) -> list[int]:
     """Greedy output of prompt ``name`` (its first ``n`` tokens) on ``engine``."""
     tokens = PROMPTS[name] if n is None else PROMPTS[name][:n]
-    return engine.generate([tokens], MAX_TOKENS)[0][0]
+    return engine.generate([tokens], max_tokens)[0][0]
 
 
 def wait_keys(cluster: MooncakeCluster, at_least: int, timeout: float = 30.0) -> int:
@@ -178,22 +185,25 @@ def test_master_killed_mid_run_requests_finish_and_hits_come_back(engines, empty
 
     def worker(engine: EngineProcess, name: str) -> None:
         try:
-            results[name] = run(engine, name)
+            results[name] = run(engine, name, max_tokens=LONG)
         except BaseException as exc:  # re-raised below, in the test's thread
             errors.append(exc)
 
-    # in flight when the kill lands (the timing is not pinned: a request may have finished
-    # its lookup, its load or its save by then): B's p5 is a shared hit, A's p6 is new
+    # in flight when the kill lands: B's p5 is a shared hit, A's p6 is new; both decode 64
+    # tokens, so the kill lands during the request (where exactly is not pinned: lookup,
+    # load, save or decode)
     threads = [threading.Thread(target=worker, args=(e, n)) for e, n in [(b, "p5"), (a, "p6")]]
     for t in threads:
         t.start()
+    time.sleep(0.05)
     cluster.kill_master()
     t0 = time.monotonic()
+    in_flight = sum(t.is_alive() for t in threads)
     for t in threads:
         t.join(timeout=240)
     assert not any(t.is_alive() for t in threads), "a request hangs after the master died"
     assert not errors, errors
-    assert results == {"p5": reference["p5"], "p6": reference["p6"]}
+    assert results == {"p5": reference["p5-long"], "p6": reference["p6-long"]}
 
     # with the master gone: lookups miss and saves fail, requests still finish
     before = b.call(node_counters)
@@ -203,7 +213,8 @@ def test_master_killed_mid_run_requests_finish_and_hits_come_back(engines, empty
     down = time.monotonic() - t1
     hits = diff(b.call(node_counters), before)
     assert "hit_tokens.shared" not in hits, hits
-    print(f"\nmaster down: in-flight requests done {t1 - t0:.1f} s after the kill; "
+    print(f"\nmaster down: {in_flight} of 2 requests still running at the kill, done "
+          f"{t1 - t0:.1f} s after it; "
           f"two more requests on B took {down:.1f} s; B's counters {hits}")  # fmt: skip
 
     cluster.start_master()
