@@ -255,8 +255,13 @@ async def _serve(request: Request, kind: Kind, state: dict[str, Any]) -> Respons
         body = await _parse(request, kind)
         model = _model_for(body.model, state, router)
         tok = body.tokenize_body(model)
-        prompt_ids = await router.tokenize(tok, rid) if tok is not None else list(body.prompt)
-        req = generation_request(body, rid, model, prompt_ids, _max_model_len(model, state))
+        if tok is not None:
+            tokenized = await router.tokenize(tok, rid)
+            prompt_ids, context = tokenized.ids, tokenized.max_model_len
+        else:
+            prompt_ids, context = list(body.prompt), None
+        context = _max_model_len(model, state) or context
+        req = generation_request(body, rid, model, prompt_ids, context)
     except BadRequest as exc:
         router.metrics.requests.labels(endpoint=endpoint, outcome="bad_request").inc()
         return _error(exc.message, exc.status, exc.param)

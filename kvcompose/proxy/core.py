@@ -27,7 +27,7 @@ from kvcompose.proxy.backends import Backend, BackendPool
 from kvcompose.proxy.config import ProxyConfig
 from kvcompose.proxy.metrics import ProxyMetrics
 from kvcompose.proxy.stops import StopStrings
-from kvcompose.proxy.transport import BackendError, Transport
+from kvcompose.proxy.transport import BackendError, Tokenized, Transport
 
 log = logging.getLogger("kvcompose.proxy")
 
@@ -109,7 +109,7 @@ class Router:
 
     # ----------------------------------------------------------------- tokenizing
 
-    async def tokenize(self, body: dict[str, Any], request_id: str) -> list[int]:
+    async def tokenize(self, body: dict[str, Any], request_id: str) -> Tokenized:
         """The prompt's token ids from a backend's ``/tokenize`` (any healthy one)."""
         tried: set[str] = set()
         last = "no healthy backend"

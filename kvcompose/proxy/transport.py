@@ -44,6 +44,12 @@ class BackendError(Exception):
 
 
 @dataclass
+class Tokenized:
+    ids: list[int]
+    max_model_len: int | None  # the context length the backend reports
+
+
+@dataclass
 class StreamEvent:
     """One choice of one chunk of D's stream (or a streamed error)."""
 
@@ -104,14 +110,16 @@ class Transport:
                                resp.status_code)  # fmt: skip
         return list(resp.json().get("data", []))
 
-    async def tokenize(self, backend: Backend, body: dict[str, Any]) -> list[int]:
+    async def tokenize(self, backend: Backend, body: dict[str, Any]) -> Tokenized:
         """vLLM's ``/tokenize`` (``serve/tokenize/protocol.py``): a completion prompt, or chat
-        ``messages`` with the chat template applied; the answer's ``tokens``."""
+        ``messages`` with the chat template applied; the answer's ``tokens`` and
+        ``max_model_len``."""
         data = await self._post_json(backend, "/tokenize", body)
         tokens = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(tokens, list):
             raise BackendError(backend, "protocol", f"/tokenize answered without tokens: {data}")
-        return [int(t) for t in tokens]
+        context = data.get("max_model_len")
+        return Tokenized([int(t) for t in tokens], context if isinstance(context, int) else None)
 
     async def prefill(self, backend: Backend, body: dict[str, Any],
                       answering: asyncio.Event | None = None) -> dict[str, Any]:  # fmt: skip

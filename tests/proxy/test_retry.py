@@ -227,3 +227,24 @@ def test_prefill_killed_before_the_decode_is_retried_on_the_other_prefill(bed):
     assert bed.metric("kvcompose_proxy_retries_total", cause="prefill_failed") == 0
     assert [len(p.requests) for p in bed.prefill] == [1, 1]
     assert not bed.fabric.held
+
+
+def test_decode_refusing_the_request_releases_the_handoff(bed):
+    """A 4xx from D is the request's fault and goes to the client as it was; P's hand-off,
+    prepared for nothing, is released at once instead of waiting for P's lease."""
+    bed.decode[0].fail_next(Fault("status", code=400))
+    with bed.client() as c:
+        resp = c.post("/v1/completions", json={"model": MODEL, "prompt": IDS, "max_tokens": 4})
+    assert resp.status_code == 400 and "scripted HTTP 400" in resp.json()["error"]["message"]
+    assert _wait(lambda: bed.fabric.released) and not bed.fabric.held
+
+
+def _wait(predicate, timeout: float = 5.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
