@@ -144,7 +144,7 @@ class CompositeWorker:
                 self.guard.child_error(i, "get_transfer_results", exc)
             results.append(result)
             errors.append(self._load_errors_of(i, result))
-        combined = self.signals.combine(results)
+        combined = self.signals.combine(results, finished_req_ids)
         # claimed as when vLLM asks for the errors after the results: a parked stitch's
         # segment whose round ended this step still claims its own bad blocks
         self._load_errors = self._claim(errors)

@@ -78,6 +78,9 @@ class Behaviour:
     # answer every prompt token it holds, the last one too: vLLM's scheduler needs one token
     # to compute after a sync load (its own connectors hold back the last one)
     break_whole_prompt: bool = False
+    # a raise in get_transfer_results loses the receives due then: the child never reports
+    # them (a connector whose transfer state went down with the exception)
+    raise_loses_reports: bool = False
     break_rogue_recv: bool = False  # reports finished_recving for every allocation it sees
     break_duplicate_recv: bool = False  # reports its receive twice
     break_rogue_send: bool = False  # reports finished_sending without delaying
@@ -397,7 +400,13 @@ class ScriptedConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         due = [r for r, (steps, _) in self._recv_timers.items() if steps <= 1]
         due += [r for r, steps in self._send_timers.items() if steps <= 1]
-        self._maybe_raise_once("get_transfer_results", due)
+        try:
+            self._maybe_raise_once("get_transfer_results", due)
+        except RuntimeError:
+            for req_id in due:
+                if self.script.behaviour(req_id).raise_loses_reports:
+                    self._recv_timers.pop(req_id, None)
+            raise
         out = KVConnectorTransferResults()
         if self._rogue:  # signals this child should not send
             out.finished_recving |= self._rogue

@@ -89,13 +89,13 @@ def test_invalid_blocks_inside_a_segment_fail_that_segment():
     """A child reporting blocks of its segment invalid (a sync load's way to fail), while the
     round is in flight or after its receive went up in the same step."""
     sig, _ = signals()
-    assert sig.claim_segment_errors(1, {3, 99}) == {99}  # 99 is no stitch's
-    assert sig.claim_segment_errors(0, {4}) == {4}  # child 2's block, reported by child 0
+    assert sig.stitches.claim_errors(1, {3, 99}) == {99}  # 99 is no stitch's
+    assert sig.stitches.claim_errors(0, {4}) == {4}  # child 2's block, reported by child 0
     out = sig.combine([results(recv={"r"}), None, results(recv={"r"})])
     assert out.finished_recving == {"r"}
-    assert sig.claim_segment_errors(2, {5}) == set()  # after the receive, same step
+    assert sig.stitches.claim_errors(2, {5}) == set()  # after the receive, same step
     assert sig.take_segment_failures() == {"r": frozenset({1, 2})}
-    assert sig.claim_segment_errors(2, {5}) == {5}  # a later step: no longer a stitch's
+    assert sig.stitches.claim_errors(2, {5}) == {5}  # a later step: no longer a stitch's
 
 
 def test_a_receive_from_a_child_with_no_segment_is_a_violation():

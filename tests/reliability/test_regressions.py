@@ -393,3 +393,34 @@ def test_vllm_async_scheduling_leaks_a_placeholder_after_sync_invalid_blocks(tin
         h.assert_clean()
     finally:
         h.close()
+
+
+def test_a_fence_ends_when_its_request_is_freed(make):
+    """a raises in get_transfer_results as r1's load comes due and never reports that
+    receive (its transfer state went down with the exception), so the composite fails the
+    load and fences it. The fence used to wait for a late receive that never came: r1 stayed
+    in the worker's ``fenced_loads`` long after it finished. It now ends once vLLM frees
+    r1's blocks (r1 among the step's finished requests)."""
+    a = script(
+        "rel.a",
+        Behaviour(),
+        r1=Behaviour(
+            tokens=48,
+            is_async=True,
+            load_steps=2,
+            raise_in=frozenset({"get_transfer_results"}),
+            raise_loses_reports=True,
+        ),
+    )
+    script("rel.b", Behaviour())
+    h = make(
+        chain("root", leaf("a", "rel.a"), leaf("b", "rel.b")), kv_load_failure_policy="recompute"
+    )
+    h.add_request(prompt(80, seed=3), max_tokens=3, request_id="r1")
+    h.run_until_idle(max_steps=40)
+    assert any(c[:2] == ("raise", "get_transfer_results") for c in a.calls)
+    assert not a.recv_reports("r1"), "the raise lost a's receive"
+    for _ in range(10):
+        h.step()
+    assert "r1" not in str(h.worker_connector.live_requests())
+    h.assert_clean()
