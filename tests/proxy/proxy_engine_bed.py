@@ -77,21 +77,23 @@ def start(
 
 
 def calm(servers: Iterable[VLLMServer], passes: int = 3) -> None:
-    """``calm_busy_threads`` on each live server in turn, pass after pass until one moves
-    nothing: a thread counts as busy by its share of a core, and while one spinning thread
-    hogs a core the others it starves do not show as busy yet."""
+    """``calm_busy_threads`` on every live server at once (each samples its own threads over
+    the same two seconds), pass after pass until one moves nothing: a thread counts as busy
+    by its share of a core, and while one spinning thread hogs a core the others it starves
+    do not show as busy yet."""
     servers = list(servers)
+
+    def one(s: VLLMServer) -> list[int]:
+        if s.proc.poll() is not None:
+            return []
+        moved = s.calm_busy_threads()
+        log.warning("%s: %d busy thread(s) moved to SCHED_IDLE: %s", s.name, len(moved), moved)
+        return moved
+
     for _ in range(passes):
-        moved_any = False
-        for s in servers:
-            if s.proc.poll() is None:
-                moved = s.calm_busy_threads()
-                moved_any |= bool(moved)
-                log.warning(
-                    "%s: %d busy thread(s) moved to SCHED_IDLE: %s", s.name, len(moved), moved
-                )
-        if not moved_any:
-            return
+        with ThreadPoolExecutor(max(1, len(servers))) as pool:
+            if not any(pool.map(one, servers)):
+                return
 
 
 def stop(servers: dict[str, VLLMServer]) -> None:

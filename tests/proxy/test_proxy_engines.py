@@ -1,15 +1,17 @@
-"""The proxy in front of four real vLLM servers on CPU: two P and two D, NIXL over UCX
-between host-memory KV buffers, each with the kvcompose tree of examples/pd (P:
-first[nixl, disk]; D: first[disk, nixl], the two D sharing one disk directory).
+"""The proxy in front of four real vLLM servers on CPU, in the default suite: two P and two
+D, NIXL over UCX between host-memory KV buffers, each with the kvcompose tree of
+examples/pd (P: first[nixl, disk]; D: first[disk, nixl], the two D sharing one disk
+directory), started once for the module.
 
 Faults are real: D's disk tier fails a load (the fault-injecting store double, under vLLM's
 default ``kv_load_failure_policy: fail`` the request ends in an error), a client leaves
 mid-stream, a prefill server is SIGKILLed between its prefill and the decode, a decode server
-is SIGKILLed mid-stream. In every case the client's token ids equal a single engine's greedy
-output and afterwards no live engine holds a request or a KV block (read from the servers'
-own /metrics). The core claim runs in the default suite (test_proxy_pd.py); this module
-takes about 10 minutes on 2 cores (four servers; the 64 concurrent clients about 50 s of
-it) and runs on request: KVCOMPOSE_PROXY_ENGINES=1.
+is SIGKILLed mid-stream (these two last: they kill servers). In every case the client's
+token ids equal a single engine's greedy output and afterwards no live engine holds a
+request or a KV block (read from the servers' own /metrics). Where the proxy rewrites a
+request (chat to token ids, budgets, stop strings), its answer equals P's own answer to the
+same request. With KVCOMPOSE_PROXY_ENGINES=1 also: the whole (not streamed) answers, and
+64 concurrent clients with every fourth one's first load failing (docs/proxy.md, Tests).
 """
 
 from __future__ import annotations
@@ -26,30 +28,31 @@ import proxy_engine_bed as bed
 import pytest
 from proxy_sse import stream
 
+from kvcompose.engine.model import word
 from kvcompose.proxy import ProxyConfig, create_app
 from kvcompose.testing.pd_servers import VLLMServer
 from kvcompose.testing.scripted_vllm import ServerThread
 
-pytestmark = [
-    pytest.mark.engine,
-    pytest.mark.pd,
-    pytest.mark.timeout(1200),
-    pytest.mark.skipif(
-        os.environ.get("KVCOMPOSE_PROXY_ENGINES") != "1",
-        reason="real-engine proxy tests run with KVCOMPOSE_PROXY_ENGINES=1 (about 10 min)",
-    ),
-]
+pytestmark = [pytest.mark.engine, pytest.mark.pd, pytest.mark.timeout(900)]
 
-N = 24  # tokens decoded per request
+#: the longer cases: every hand-off costs seconds on a loaded 2-core machine
+ON_REQUEST = pytest.mark.skipif(
+    os.environ.get("KVCOMPOSE_PROXY_ENGINES") != "1",
+    reason="runs with KVCOMPOSE_PROXY_ENGINES=1 (docs/proxy.md, Tests)",
+)
+
+N = 16  # tokens decoded per request
+FAULT = "pdfault"  # attempt 1 of this client id fails its load on D
 LONG = 160  # tokens of the stream a killed decode server leaves unfinished
-CLIENTS = 64  # concurrent clients ...
+CLIENTS = 64  # concurrent clients (on request) ...
 FAULT_EVERY = 4  # ... of which every fourth has its first attempt's load fail on D
 #: the concurrent clients' prompts, one each (distinct from the first token on, so no D's
-#: local cache can hold a faulty client's prompt before its load)
-SEEDS = list(range(4, 4 + CLIENTS))
-#: attempt 1 of these client ids fails its load on D (engine id cmpl-<rid>-1-d-0-<8 chars>),
-#: by client index
+#: local cache can hold a faulty client's prompt before its load); the other tests' seeds
+#: are below 20
+SEEDS = list(range(20, 20 + CLIENTS))
+#: attempt 1 of these client ids fails its load on D (engine id cmpl-<rid>-1-d-0-<8 chars>)
 FAULTY = {i: f"fault{i}" for i in range(0, CLIENTS, FAULT_EVERY)}
+FAIL_IDS = [f"cmpl-{FAULT}-1-d-0", *(f"cmpl-{r}-1-d-0" for r in FAULTY.values())]
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +61,9 @@ def servers(
 ) -> Iterator[dict[str, VLLMServer]]:
     pytest.importorskip("nixl")
     tmp = tmp_path_factory.mktemp("proxy-engines")
-    started = bed.start(
-        tiny_model, tmp, ["p1", "p2"], ["d1", "d2"], [f"cmpl-{r}-1-d-0" for r in FAULTY.values()]
-    )
+    started = bed.start(tiny_model, tmp, ["p1", "p2"], ["d1", "d2"], FAIL_IDS)
     try:
+        # NIXL's first handshake of each pair, out of the tests' counts and timeouts
         for p in ("p1", "p2"):
             for d in ("d1", "d2"):
                 bed.handshake(started[p], started[d])
@@ -72,53 +74,167 @@ def servers(
 
 
 @pytest.fixture(scope="module")
-def reference(servers: dict[str, VLLMServer]) -> dict[int, list[int]]:
-    """Greedy output of one engine, no hand-off (P serving the prompt itself)."""
-    return bed.greedy(servers["p1"], range(4 + CLIENTS), N)
-
-
-@pytest.fixture(scope="module")
 def proxy(servers: dict[str, VLLMServer]) -> Iterator[tuple[str, Any]]:
     thread, app = bed.proxy(servers, ["p1", "p2"], ["d1", "d2"])
     yield thread.url, app
     thread.stop()
 
 
-def _alive(servers: dict[str, VLLMServer]) -> list[str]:
-    return [n for n, s in servers.items() if s.proc.poll() is None]
+def _decoders(servers: dict[str, VLLMServer]) -> list[VLLMServer]:
+    return [servers["d1"], servers["d2"]]
 
 
-def test_handoff_through_the_proxy_is_exact(servers, reference, proxy):
-    url, _ = proxy
-    with httpx.Client(base_url=url, timeout=300) as c:
-        out = stream(c, "/v1/completions", bed.body(0, N))
-        whole = c.post("/v1/completions", json={**bed.body(1, N), "stream_options": None}).json()
-        chat = c.post(
-            "/v1/chat/completions",
-            json={
-                "messages": [{"role": "user", "content": "w5 w6 w7 w8"}],
-                "max_tokens": 8,
-                "temperature": 0,
-                "return_token_ids": True,
-            },
-        ).json()
-    assert out.done and not out.errors and out.token_ids == reference[0]
-    assert out.usage["completion_tokens"] == N
-    assert "choices" in whole, whole
-    assert "choices" in chat, chat
-    assert whole["choices"][0]["token_ids"] == reference[1]
-    assert chat["choices"][0]["message"]["role"] == "assistant"
-    assert len(chat["choices"][0]["token_ids"]) == 8 and chat["choices"][0]["message"]["content"]
-    d = {n: servers[n].metrics() for n in ("d1", "d2")}
-    assert (
-        sum(
-            m.get("vllm:nixl_num_successful_transfers_total", 0)
-            + m.get("vllm:external_prefix_cache_hits_total", 0)
-            for m in d.values()
-        )
-        > 0
+def _external_hits(servers: dict[str, VLLMServer]) -> float:
+    return sum(
+        d.metrics().get("vllm:external_prefix_cache_hits_total", 0) for d in _decoders(servers)
     )
+
+
+def test_decode_load_failure_is_continued_token_exact(servers, proxy):
+    url, app = proxy
+    want = bed.greedy(servers["p1"], [0], N)[0]
+    with httpx.Client(base_url=url, timeout=600) as c:
+        # a first hand-off warms the D's shared disk tier with the prompt ...
+        warm = c.post("/v1/completions", json={**bed.body(0, 1), "stream_options": None})
+        assert warm.status_code == 200, warm.text
+        bed.reset_prefix_cache(_decoders(servers))  # ... which then owns a D's next load
+        before = bed.retries(app, "decode_error")
+        out = stream(c, "/v1/completions", bed.body(0, N), headers={"X-Request-Id": FAULT})
+    assert out.done and not out.errors, out.events[-3:]
+    assert out.token_ids == want
+    assert out.usage["completion_tokens"] == N
+    assert len({e["id"] for e in out.events}) == 1
+    assert bed.injected(servers, ["d1", "d2"], f"cmpl-{FAULT}") == 1
+    assert bed.retries(app, "decode_error") - before == 1
+    snap = bed.idle(servers)
+    assert snap["p1"].get("vllm:kv_cache_usage_perc", 0) == 0
+
+
+#: a chat prompt of three full blocks (the tiny tokenizer: one token per word)
+CHAT = [{"role": "user", "content": " ".join(f"w{i}" for i in range(5, 105))}]
+
+
+@pytest.mark.parametrize(
+    ("path", "streamed", "seed"),
+    [
+        pytest.param("/v1/completions", True, 5, id="completions-stream"),
+        pytest.param("/v1/chat/completions", True, 7, id="chat-stream"),
+        pytest.param("/v1/completions", False, 6, id="completions-whole", marks=ON_REQUEST),
+        pytest.param("/v1/chat/completions", False, 8, id="chat-whole", marks=ON_REQUEST),
+    ],
+)
+def test_handoff_equals_one_engines_answer(servers, proxy, path, streamed, seed):
+    url, _ = proxy
+    if path == "/v1/chat/completions":  # a prompt of its own per test (no prefix shared)
+        body = {"messages": [{"role": "user", "content": f"w{500 + seed}"}, *CHAT]}
+    else:
+        body = {"prompt": bed.prompt(seed)}
+    body = {**body, "max_tokens": N, "ignore_eos": True}
+    want = bed.read_answer([bed.direct(servers["p1"], path, body)])
+    hits = _external_hits(servers)
+    asked = {**body, "temperature": 0, "return_token_ids": True}
+    with httpx.Client(base_url=url, timeout=600) as c:
+        if streamed:
+            out = stream(c, path, {**asked, "stream_options": {"include_usage": True}})
+            assert out.status == 200 and out.done and not out.errors, out.body or out.events[-3:]
+            events, usage = out.events, out.usage
+            if path == "/v1/chat/completions":  # one role chunk, the first
+                roles = [e for e in out.chunks if e["choices"][0]["delta"].get("role")]
+                assert len(roles) == 1 and out.chunks[0] is roles[0]
+        else:
+            resp = c.post(path, json=asked)
+            assert resp.status_code == 200, resp.text
+            events, usage = [resp.json()], resp.json()["usage"]
+    got = bed.read_answer(events)
+    assert got == want  # text, token ids, prompt ids (chat: the template applied once)
+    assert len(got[1]) == N and got[0]
+    assert usage == {"prompt_tokens": len(want[2]), "completion_tokens": N,
+                     "total_tokens": len(want[2]) + N}  # fmt: skip
+    assert len({e["id"] for e in events}) == 1
+    # a D loaded the prompt's blocks from P (NIXL), it did not compute them
+    assert _external_hits(servers) > hits
+    snap = bed.idle(servers)
+    assert snap["p1"].get("vllm:kv_cache_usage_perc", 0) == 0
+
+
+# ------------------------------------------------------------------ vLLM's semantics
+# Where the proxy rewrites a request (chat to token ids, stop strings, budgets), its answer
+# equals the one P's engine gives to the same request sent to it directly.
+
+#: a chat prompt that leaves about 40 tokens of the 1024-token context
+LONG_CHAT = [{"role": "user", "content": " ".join(f"w{i % 1000}" for i in range(980))}]
+USAGE = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def test_chat_without_max_tokens_equals_vllm_chat(servers, proxy):
+    """vLLM's chat without ``max_tokens``/``max_completion_tokens`` generates until EOS or
+    ``max_model_len`` (``get_max_tokens``), not completions' 16."""
+    url, _ = proxy
+    body = {"messages": LONG_CHAT}
+    want = bed.direct(servers["p1"], "/v1/chat/completions", body)
+    with httpx.Client(base_url=url, timeout=600) as c:
+        out = stream(c, "/v1/chat/completions",
+                     {**body, "temperature": 0, "return_token_ids": True,
+                      "stream_options": {"include_usage": True}})  # fmt: skip
+    assert out.status == 200 and out.done and not out.errors, out.body or out.events[-3:]
+    assert bed.read_answer(out.events) == bed.read_answer([want])
+    assert {k: out.usage[k] for k in USAGE} == {k: want["usage"][k] for k in USAGE}
+    assert want["usage"]["completion_tokens"] > 16
+    assert out.finish["finish_reason"] == want["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("case", ["min_tokens", "tie"])
+def test_min_tokens_and_stop_strings_equal_vllm(servers, proxy, case):
+    """``BaseIncrementalDetokenizer.update`` (no stop string before ``min_tokens`` tokens)
+    and ``check_stop_strings`` (the match ending first wins, ties by the list's order):
+    the proxy's text, ids, finish and stop reasons equal P's own answer."""
+    url, _ = proxy
+    base = {"prompt": bed.prompt(9), "max_tokens": 16, "ignore_eos": True}
+    ids = bed.direct(servers["p1"], "/v1/completions", base)["choices"][0]["token_ids"]
+    words = [word(t) for t in ids]
+    extra = {
+        # token 3 completes the first stop string; with min_tokens 4 it does not count
+        "min_tokens": {"stop": [words[2], words[7]], "min_tokens": 4},
+        # both end with token 6: vLLM takes the first in the list, not the earlier start
+        "tie": {"stop": [words[5], f"{words[4]} {words[5]}"]},
+    }[case]
+    want = bed.direct(servers["p1"], "/v1/completions", {**base, **extra})
+    with httpx.Client(base_url=url, timeout=600) as c:
+        resp = c.post("/v1/completions", json={**base, **extra, "temperature": 0,
+                                               "return_token_ids": True})  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    got = resp.json()
+    assert bed.read_answer([got]) == bed.read_answer([want])
+    for key in ("finish_reason", "stop_reason"):
+        assert got["choices"][0][key] == want["choices"][0][key], key
+    assert want["choices"][0]["finish_reason"] == "stop", want
     bed.idle(servers)
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        ("/v1/completions", {"max_tokens": 0}),
+        ("/v1/chat/completions", {"max_completion_tokens": 0}),
+        ("/v1/completions", {"max_tokens": 4, "temperature": "hot"}),
+    ],
+    ids=["max_tokens-0", "chat-max_completion_tokens-0", "temperature-hot"],
+)
+def test_refusals_equal_vllms(servers, proxy, path, extra):
+    """``max_tokens: 0`` (``SamplingParams._verify_args``) is the proxy's own 400, a bad
+    sampling field the proxy does not read is P's: either way the client gets vLLM's
+    answer to the same request, and no hand-off is prepared."""
+    url, _ = proxy
+    body = {"prompt": bed.prompt(10)} if path == "/v1/completions" else {"messages": CHAT}
+    body = {**body, **extra}
+    direct = httpx.post(f"{servers['p1'].url}{path}", json=body, timeout=60)
+    got = httpx.post(f"{url}{path}", json=body, timeout=60)
+    assert direct.status_code == 400, direct.text
+    assert (got.status_code, got.json()) == (400, direct.json())
+    bed.idle(servers)
+
+
+# ------------------------------------------------------------------ clients and load
 
 
 def test_client_disconnect_leaves_nothing_held(servers, proxy):
@@ -128,7 +244,7 @@ def test_client_disconnect_leaves_nothing_held(servers, proxy):
         c.stream(
             "POST",
             "/v1/completions",
-            json={**bed.body(3, 400), "stream": True, "ignore_eos": True},
+            json={**bed.body(13, 400), "stream": True, "ignore_eos": True},
         ) as resp,
     ):
         for line in resp.iter_lines():
@@ -136,12 +252,15 @@ def test_client_disconnect_leaves_nothing_held(servers, proxy):
                 break  # the first token: leave
     snap = bed.idle(servers)
     assert snap["p1"].get("vllm:kv_cache_usage_perc", 0) == 0
+    assert snap["p2"].get("vllm:kv_cache_usage_perc", 0) == 0
 
 
-def test_concurrent_clients_with_load_failures(servers, reference, proxy):
+@ON_REQUEST
+def test_concurrent_clients_with_load_failures(servers, proxy):
     """64 clients at once, every fourth one's first attempt failing its load on D: 0 lost,
     0 duplicated tokens, every client's ids equal to one engine's greedy output."""
     url, app = proxy
+    reference = bed.greedy(servers["p1"], SEEDS, N)
     with httpx.Client(base_url=url, timeout=300) as c:  # warm D's disk for the faulty ones
         for i in FAULTY:
             warm = c.post("/v1/completions", json={**bed.body(SEEDS[i], 1), "stream_options": None})
@@ -149,7 +268,7 @@ def test_concurrent_clients_with_load_failures(servers, reference, proxy):
     bed.idle(servers)
     # D's disk tier now holds those prompts; with the local prefix caches empty it owns the
     # next load of each, so attempt 1 of every faulty client fails on whichever D serves it
-    bed.reset_prefix_cache([servers["d1"], servers["d2"]])
+    bed.reset_prefix_cache(_decoders(servers))
 
     async def one(client: httpx.AsyncClient, i: int) -> list[int]:
         seed = SEEDS[i]
@@ -179,9 +298,13 @@ def test_concurrent_clients_with_load_failures(servers, reference, proxy):
     bed.idle(servers)
 
 
-def test_prefill_killed_before_the_decode_is_retried_on_the_other(servers, reference):
+# ------------------------------------------------------------------ killed servers (last)
+
+
+def test_prefill_killed_before_the_decode_is_retried_on_the_other(servers):
     """P1 answers the prefill and is SIGKILLed before the proxy hands its blocks to D: D's
     NIXL read from a dead engine fails, and the next attempt runs on P2."""
+    want = bed.greedy(servers["p2"], [12], N)[12]
     killed: list[str] = []
 
     async def kill_p1(response: httpx.Response) -> None:
@@ -207,13 +330,13 @@ def test_prefill_killed_before_the_decode_is_retried_on_the_other(servers, refer
     try:
         with httpx.Client(base_url=thread.url, timeout=300) as c:
             # a prompt no disk tier holds: D's NIXL owns the load from P1
-            out = stream(c, "/v1/completions", bed.body(2, N))
+            out = stream(c, "/v1/completions", bed.body(12, N))
     finally:
         thread.stop()
         asyncio.run(client.aclose())
     assert killed and servers["p1"].proc.poll() is not None
     assert out.done and not out.errors, out.events[-3:]
-    assert out.token_ids == reference[2]
+    assert out.token_ids == want
     causes = {c: bed.retries(app, c) for c in ("decode_error", "decode_failed", "stream_dropped")}
     assert sum(causes.values()) == 1, causes  # one failed attempt, then P2
     assert app.state.pool.prefill[1].served >= 1
@@ -221,8 +344,9 @@ def test_prefill_killed_before_the_decode_is_retried_on_the_other(servers, refer
 
 
 def test_decode_killed_mid_stream_continues_on_the_other(servers):
-    want = bed.greedy(servers["p2"], [0], LONG, ignore_eos=True)[0]
-    thread, app = bed.proxy(servers, _alive_prefill(servers), ["d1", "d2"])  # fresh: d1 first
+    want = bed.greedy(servers["p2"], [11], LONG, ignore_eos=True)[11]
+    alive_prefill = [p for p in ("p1", "p2") if servers[p].proc.poll() is None]
+    thread, app = bed.proxy(servers, alive_prefill, ["d1", "d2"])  # fresh: d1 first
     got: list[int] = []
     at = LONG
     try:
@@ -231,7 +355,7 @@ def test_decode_killed_mid_stream_continues_on_the_other(servers):
             c.stream(
                 "POST",
                 "/v1/completions",
-                json={**bed.body(0, LONG), "stream": True, "ignore_eos": True},
+                json={**bed.body(11, LONG), "stream": True, "ignore_eos": True},
             ) as resp,
         ):
             for line in resp.iter_lines():
@@ -248,7 +372,3 @@ def test_decode_killed_mid_stream_continues_on_the_other(servers):
     assert got == want
     assert bed.retries(app, "stream_dropped") == 1
     bed.idle(servers)
-
-
-def _alive_prefill(servers: dict[str, VLLMServer]) -> list[str]:
-    return [n for n in _alive(servers) if n.startswith("p")]
