@@ -2,16 +2,15 @@
 capacity, how it saves, its admission rule, its promotion target, and an emulated read
 cost when it has one.
 
-Read from the leaf's ``extra_config`` as written (no vLLM import: ``explain`` and
-``validate`` run without vLLM); the store validates the same keys when it starts.
+Read through the store's own model (``PrefixStoreConfig``: its defaults, no vLLM import, so
+``explain`` runs without vLLM), as the store reads its ``extra_config`` when it starts.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+from kvcompose.stores.prefix.config import PrefixStoreConfig
 from kvcompose.tree import Leaf, Node
-from kvcompose.tree.conditions import RequestCondition, describe_condition
+from kvcompose.tree.conditions import describe_condition
 
 STORE_CONNECTORS = {"PrefixStoreConnector", "FaultyPrefixStoreConnector"}
 
@@ -27,56 +26,57 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def capacity_text(extra: dict[str, Any]) -> str:
+def settings(leaf: Leaf) -> PrefixStoreConfig:
+    """The store's settings, defaults filled in by its model (keys a test double adds are
+    left out; ``validate`` has already refused a bad value)."""
+    known = PrefixStoreConfig.model_fields
+    extra = {k: v for k, v in (leaf.extra_config or {}).items() if k in known}
+    return PrefixStoreConfig.from_extra_config(extra)
+
+
+def capacity_text(config: PrefixStoreConfig) -> str:
     parts = []
-    if extra.get("max_chunks") is not None:
-        parts.append(f"{extra['max_chunks']} chunks")
-    if extra.get("max_bytes") is not None:
-        parts.append(_size(int(extra["max_bytes"])))
+    if config.max_chunks is not None:
+        parts.append(f"{config.max_chunks} chunks")
+    if config.max_bytes is not None:
+        parts.append(_size(config.max_bytes))
     if not parts:
         return "capacity: unbounded"
     return "capacity: " + " and ".join(parts) + " (evicts least recently used; first chunks last)"
 
 
-def admission_text(extra: dict[str, Any]) -> str:
-    if extra.get("read_only"):
+def admission_text(config: PrefixStoreConfig) -> str:
+    if config.read_only:
         return "admission: read-only (saves nothing)"
     parts = []
-    if int(extra.get("admit_min_prompt_tokens", 0) or 0) > 0:
-        parts.append(f"prompts >= {extra['admit_min_prompt_tokens']} tokens")
-    if int(extra.get("admit_min_seen", 1) or 1) > 1:
-        parts.append(f"chunks seen >= {extra['admit_min_seen']} times")
-    when = extra.get("admit_when")
-    if isinstance(when, dict):
-        try:
-            parts.append(f"requests where {describe_condition(RequestCondition(**when))}")
-        except (ValueError, TypeError):  # validate reports it; explain shows it as written
-            parts.append(f"requests where {when!r} (invalid)")
-    mode = extra.get("save_mode", "sync")
+    if config.admit_min_prompt_tokens > 0:
+        parts.append(f"prompts >= {config.admit_min_prompt_tokens} tokens")
+    if config.admit_min_seen > 1:
+        parts.append(f"chunks seen >= {config.admit_min_seen} times")
+    if config.admit_when is not None:
+        parts.append(f"requests where {describe_condition(config.admit_when)}")
     how = (
-        f"written by a background writer (queue {extra.get('max_pending_saves', 64)} chunks, "
-        "drops when full)"
-        if mode == "background"
+        f"written by a background writer (queue {config.max_pending_saves} chunks, drops when full)"
+        if config.save_mode == "background"
         else "written in the engine step"
     )
     return "admission: " + (" and ".join(parts) if parts else "every save") + f"; {how}"
 
 
-def medium_text(extra: dict[str, Any]) -> str:
-    medium = extra.get("medium")
-    if medium:
-        return f"medium: {medium}"
+def medium_text(config: PrefixStoreConfig) -> str:
+    if config.medium:
+        return f"medium: {config.medium}"
     return "medium: from the mount at start (tmpfs -> host, else disk)"
 
 
-def emulation_text(extra: dict[str, Any]) -> str | None:
+def emulation_text(config: PrefixStoreConfig) -> str | None:
     """``emulate_read``, said to be emulation (a benchmark setting, not the medium's speed)."""
-    emulate = extra.get("emulate_read")
-    if not isinstance(emulate, dict):
+    emulate = config.emulate_read
+    if emulate is None:
         return None
-    parts = [f"{emulate.get('latency_ms', 0)} ms"]
-    if emulate.get("gbps"):
-        parts.append(f"bytes / {emulate['gbps']} GB/s")
+    parts = [f"{emulate.latency_ms:g} ms"]
+    if emulate.gbps:
+        parts.append(f"bytes / {emulate.gbps:g} GB/s")
     return (
         "EMULATED slow reads: every load takes at least " + " + ".join(parts) + " (sleeps after "
         "the real read; for benchmarks)"
@@ -115,15 +115,15 @@ def tier_lines(tree: Node, leaf: Leaf) -> list[str]:
     """The lines under ``leaf`` (none for leaves that are not kvcompose stores)."""
     if not is_store(leaf):
         return []
-    extra = dict(leaf.extra_config or {})
-    lines = [
-        medium_text(extra) + "; " + capacity_text(extra),
-        admission_text(extra),
-    ]
+    try:
+        config = settings(leaf)
+    except ValueError as exc:  # a store ``validate`` does not check (a test double's)
+        return [str(exc)]
+    lines = [medium_text(config) + "; " + capacity_text(config), admission_text(config)]
     promo = promotion_lines(tree).get(leaf.name or "")
     if promo:
         lines.append(promo)
-    emulated = emulation_text(extra)
+    emulated = emulation_text(config)
     if emulated:
         lines.append(emulated)
     return lines

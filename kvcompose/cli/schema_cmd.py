@@ -21,6 +21,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print the Markdown reference (docs/config.md) instead",
     )
+    parser.add_argument(
+        "--stores",
+        action="store_true",
+        help="print the store's settings table (docs/stores.md) instead",
+    )
     parser.add_argument("-o", "--output", metavar="FILE", help="write to FILE, not stdout")
     parser.set_defaults(func=run)
 
@@ -30,6 +35,11 @@ def run(args: argparse.Namespace) -> int:
         from kvcompose.config.docs import render_markdown
 
         text = render_markdown()
+    elif args.stores:
+        from kvcompose.config.docs import settings_table
+        from kvcompose.stores.prefix.config import PrefixStoreConfig
+
+        text = settings_table(PrefixStoreConfig) + "\n"
     else:
         text = json.dumps(json_schema(), indent=2) + "\n"
     emit(text, args.output)

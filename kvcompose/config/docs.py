@@ -1,4 +1,5 @@
-"""Generates ``docs/config.md`` from the schema (``kvcompose schema --markdown``).
+"""Generates ``docs/config.md`` from the schema (``kvcompose schema --markdown``), and the
+settings table of any model (``settings_table``).
 
 The field tables come from the pydantic models; the prose around them lives in
 ``reference.md.tmpl`` beside this module, so that the whole reference is one generated file,
@@ -43,12 +44,12 @@ def render_markdown() -> str:
     )
     text = string.Template(_TEMPLATE.read_text(encoding="utf-8")).substitute(
         version=VERSION,
-        document=_table(Document),
-        leaf=_table(Leaf),
-        chain=_table(Chain),
-        fanout=_table(Fanout),
-        route=_table(Route),
-        rule=_table(RouteRule),
+        document=settings_table(Document),
+        leaf=settings_table(Leaf),
+        chain=settings_table(Chain),
+        fanout=settings_table(Fanout),
+        route=settings_table(Route),
+        rule=settings_table(RouteRule),
         pattern=NAME_PATTERN,
         env="\n".join(env_rows),
         env_set=ENV_SET,
@@ -75,16 +76,29 @@ _NODE_TYPES = {
 }
 
 
-def _table(model: type[BaseModel]) -> str:
-    """The model's fields in their own order (the order dumps use too)."""
+def settings_table(model: type[BaseModel]) -> str:
+    """The model's fields in their own order (the order dumps use too): this reference's
+    tables, and the store settings' in ``docs/stores.md`` (``kvcompose schema --stores``)."""
     rows = ["| key | type | default | description |", "|---|---|---|---|"]
     for name, info in model.model_fields.items():
         required = info.is_required()
         default = "required" if required else _default(info)
-        kind = _NODE_TYPES.get(name) or _type(info.annotation)
+        kind = (_NODE_TYPES.get(name) or _type(info.annotation)) + _bounds(info.metadata)
         description = (info.description or "").replace("|", "\\|").replace("\n", " ")
         rows.append(f"| `{name}` | {kind} | {default} | {description} |")
     return "\n".join(rows)
+
+
+def _bounds(metadata: list[Any]) -> str:
+    """`` >= 1`` for ``Field(ge=1)`` (annotated-types constraints, as pydantic keeps them)."""
+    signs = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    bounds = [
+        f"{sign} {getattr(m, attr)}"
+        for m in metadata
+        for attr, sign in signs.items()
+        if getattr(m, attr, None) is not None
+    ]
+    return " " + ", ".join(bounds) if bounds else ""
 
 
 def _default(info: Any) -> str:

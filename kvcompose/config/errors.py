@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcompose.config.limits import MAX_LABEL, MAX_LISTED, MAX_MESSAGE, MAX_SHOWN
+from kvcompose.config.limits import MAX_LABEL, MAX_LISTED, MAX_MESSAGE
 from kvcompose.tree import describe
+from kvcompose.tree.messages import MAX_SHOWN, did_you_mean, shown
 
 __all__ = [
     "ConfigError",
@@ -37,15 +37,6 @@ class LineMap(dict[Path, int]):
         self.hints: dict[Path, str] = {}
 
 
-def shown(value: Any, limit: int = MAX_SHOWN) -> str:
-    """``repr(value)``, shortened: messages never echo a huge value whole."""
-    if isinstance(value, str) and len(value) > limit:
-        text = repr(value[:limit])
-        return f"{text[:-1]}...{text[-1]}"
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def shown_list(names: Iterable[Any], limit: int = MAX_LISTED) -> str:
     """``a, b, c`` (at most ``limit`` of them, then how many more)."""
     names = list(names)
@@ -65,19 +56,6 @@ def format_path(path: Sequence[str | int]) -> str:
                 text = text[:MAX_SHOWN] + "..."
             out += ("." if out else "") + text
     return out
-
-
-def did_you_mean(word: Any, choices: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` or an empty string."""
-    if not isinstance(word, str) or len(word) > 4 * MAX_SHOWN:
-        return ""
-    choices = list(choices)
-    matches = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    if not matches:
-        lowered = {c.lower(): c for c in choices}
-        if word.lower() in lowered:
-            matches = [lowered[word.lower()]]
-    return f" (did you mean {matches[0]!r}?)" if matches else ""
 
 
 @dataclass(frozen=True)

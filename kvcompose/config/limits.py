@@ -24,8 +24,7 @@ MAX_INT_DIGITS = 100
 MAX_INCLUDE_DEPTH = 16
 #: Characters of a file name in a message (a longer one is cut in the middle).
 MAX_LABEL = 200
-#: Characters of a value echoed in a message, and of a whole message.
-MAX_SHOWN = 60
+#: Characters of a whole message (of a value echoed in it: ``tree.messages.MAX_SHOWN``).
 MAX_MESSAGE = 1000
 #: Names listed in a message ("children: a, b, ...").
 MAX_LISTED = 12

@@ -58,10 +58,6 @@ class FaultyPrefixStoreConfig(PrefixStoreConfig):
     """The store's extra config plus ``fail_load_request_ids``."""
 
     CONNECTOR: ClassVar[str] = "FaultyPrefixStoreConnector"
-    RULES: ClassVar[dict[str, str]] = {
-        **PrefixStoreConfig.RULES,
-        "fail_load_request_ids": "must be a list of strings",
-    }
     MOVED: ClassVar[dict[str, str]] = {}
 
     fail_load_request_ids: tuple[str, ...] = Field(

@@ -467,7 +467,7 @@ def test_validate_checks_kvcompose_store_leaves(run_cli, tmp_path: Path) -> None
     assert code == 1
     assert err == (
         f"{bad}:15: tree.chain.children[1].leaf.extra_config: PrefixStoreConnector: "
-        "chunk_blocks must be an int >= 1, got 0\n"
+        "chunk_blocks: must be >= 1, got 0\n"
     )
     good = tmp_path / "good.yaml"
     good.write_text(STORE_TIERS.replace(", chunk_blocks: 0", ""))

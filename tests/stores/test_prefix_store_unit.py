@@ -100,15 +100,24 @@ def test_config_parsing(tmp_path):
     # One line naming the key, as an engine's start-up failure shows it.
     p = str(tmp_path)
     for bad, message in (
-        ({}, "kv_connector_extra_config.path is required"),
-        ({"path": ""}, "kv_connector_extra_config.path is required"),
-        ({"path": p, "load_mode": "lazy"}, "load_mode must be 'sync' or 'async', got 'lazy'"),
-        ({"path": p, "chunk_blocks": 0}, "chunk_blocks must be an int >= 1, got 0"),
-        ({"path": p, "chunk_blocks": True}, "chunk_blocks must be an int >= 1, got True"),
-        ({"path": p, "max_chunks": 0}, "max_chunks must be an int >= 1, got 0"),
-        ({"path": p, "read_only": "yes"}, "read_only must be a bool, got 'yes'"),
-        ({"path": p, "namespace": 3}, "namespace must be a string, got 3"),
-        ({"path": p, "shared_storage_path": "/tmp"}, "unknown kv_connector_extra_config keys"),
+        ({}, "missing required key 'path' (directory of the store, created if missing)"),
+        ({"path": ""}, "path: must not be empty"),
+        (
+            {"path": p, "load_mode": "lazy"},
+            "load_mode: must be one of 'sync', 'async', got a string ('lazy')",
+        ),
+        ({"path": p, "chunk_blocks": 0}, "chunk_blocks: must be >= 1, got 0"),
+        (
+            {"path": p, "chunk_blocks": True},
+            "chunk_blocks: expected an integer, got a boolean (True)",
+        ),
+        ({"path": p, "max_chunks": 0}, "max_chunks: must be >= 1, got 0"),
+        ({"path": p, "read_only": "yes"}, "read_only: expected a boolean, got a string ('yes')"),
+        ({"path": p, "namespace": 3}, "namespace: expected a string, got an integer (3)"),
+        (
+            {"path": p, "shared_storage_path": "/tmp"},
+            "unknown key 'shared_storage_path' (allowed: path, load_mode",
+        ),
         # Fault injection is test-only: the error says where it went.
         ({"path": p, "fail_load_request_ids": ["a"]}, faulty_store.MODULE_PATH),
     ):
@@ -123,7 +132,7 @@ def test_config_parsing(tmp_path):
     )
     assert faulty.fail_load_request_ids == ("a",) and faulty.chunk_blocks == 2
     assert FaultyPrefixStoreConfig.from_extra_config({"path": p}).fail_load_request_ids == ()
-    with pytest.raises(ValueError, match="fail_load_request_ids must be a list of strings"):
+    with pytest.raises(ValueError, match="fail_load_request_ids: expected a list, got a string"):
         FaultyPrefixStoreConfig.from_extra_config({"path": p, "fail_load_request_ids": "a"})
 
 
@@ -553,3 +562,15 @@ def test_facade_loads_by_name_and_builds_one_half_per_role(tmp_path):
     assert worker.connector_scheduler is None
     with pytest.raises(RuntimeError, match="scheduler method called"):
         worker.get_num_new_matched_tokens(fake_request("r", [1] * 64), 0)
+
+
+def test_docs_settings_table_is_the_models():
+    """docs/stores.md lists the store's settings as their Fields state them."""
+    from pathlib import Path
+
+    from kvcompose.config.docs import settings_table
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "stores.md"
+    assert settings_table(PrefixStoreConfig) in docs.read_text(), (
+        "docs/stores.md is stale: paste `kvcompose schema --stores` into its Settings section"
+    )

@@ -4,6 +4,8 @@ vLLM hands a connector its extra config as a plain dict (from JSON or YAML), so 
 a wrong type would otherwise surface much later, inside the engine. :meth:`from_extra_config`
 validates it once at construction and turns pydantic's error list into one line that names
 the offending key, because that line is what a user sees in an engine's startup failure.
+Each key is described once, in its ``Field``: ``docs/stores.md``, ``kvcompose explain`` and
+the messages read it from there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvcompose.tree.conditions import RequestCondition
+from kvcompose.tree.messages import Wording
 
 
 class EmulateRead(BaseModel):
@@ -47,26 +50,6 @@ class PrefixStoreConfig(BaseModel):
 
     #: The connector named in error messages (a subclass under another name sets its own).
     CONNECTOR: ClassVar[str] = "PrefixStoreConnector"
-    #: What each key must be, for the one-line error about it.
-    RULES: ClassVar[dict[str, str]] = {
-        "load_mode": "must be 'sync' or 'async'",
-        "chunk_blocks": "must be an int >= 1",
-        "max_chunks": "must be an int >= 1",
-        "read_only": "must be a bool",
-        "namespace": "must be a string",
-        "save_mode": "must be 'sync' or 'background'",
-        "max_pending_saves": "must be an int >= 1",
-        "max_bytes": "must be an int >= 1",
-        "medium": "must be one of 'cpu', 'tmpfs', 'disk', 'remote'",
-        "admit_min_prompt_tokens": "must be an int >= 0",
-        "admit_min_seen": "must be an int >= 1",
-        "promote": "must be a bool",
-        "admit_when": (
-            "must be a mapping of request conditions (param/equals, min_prompt_tokens, "
-            "max_prompt_tokens, predicate), as a route rule's"
-        ),
-        "emulate_read": "must be a mapping {latency_ms: number >= 0, gbps: number > 0}",
-    }
     #: Keys this class no longer accepts, with where they went.
     MOVED: ClassVar[dict[str, str]] = {
         "fail_load_request_ids": (
@@ -75,46 +58,81 @@ class PrefixStoreConfig(BaseModel):
         ),
     }
 
-    path: Annotated[str, Field(min_length=1, description="Directory of the store.")]
+    path: Annotated[
+        str,
+        Field(
+            min_length=1,
+            description="Directory of the store, created if missing: one "
+            "`<key>.safetensors` file per chunk, holding every attention layer's KV for the "
+            "chunk's tokens.",
+        ),
+    ]
     load_mode: Literal["sync", "async"] = Field(
-        "sync", description="Load before the step's forward (sync) or across steps (async)."
+        "sync",
+        description="`sync`: loaded in `start_load_kv` before the forward of the step that "
+        "schedules the request. `async`: the request waits in `WAITING_FOR_REMOTE_KVS`; the "
+        "worker loads it in `start_load_kv` and reports it in `finished_recving` of the "
+        "same step.",
     )
     chunk_blocks: Annotated[int, Field(ge=1, description="Chunk size in vLLM blocks.")] = 1
-    max_chunks: Annotated[int, Field(ge=1, description="Cap on chunk files (LRU).")] | None = None
-    read_only: bool = Field(False, description="Only load; never save, touch or evict.")
-    namespace: str | None = Field(None, description="Replaces the model part of the salt.")
+    max_chunks: int | None = Field(
+        None,
+        ge=1,
+        description="Cap on the chunk files; after each write the least recently written or "
+        "loaded go, a chain's first chunks last.",
+    )
+    read_only: bool = Field(False, description="Only load: never save, touch or evict files.")
+    namespace: str | None = Field(
+        None,
+        description="Replaces the model in the hash salt (model path, dtype, KV-cache dtype, "
+        "block size, chunk size), e.g. to share a store between two copies of a model.",
+    )
     save_mode: Literal["sync", "background"] = Field(
         "sync",
-        description="Write saves in the step (sync) or on a writer thread (background), "
-        "holding the request's blocks until written.",
+        description="`sync`: files written in `wait_for_save`, inside the engine step. "
+        "`background`: queued for a writer thread; the request's blocks are held until "
+        "written.",
     )
     max_pending_saves: Annotated[
-        int, Field(ge=1, description="Chunks queued for the writer; more are dropped.")
+        int,
+        Field(
+            ge=1,
+            description="Chunks the background writer may have queued; past that, saves are "
+            "dropped (counted).",
+        ),
     ] = 64
-    max_bytes: (
-        Annotated[int, Field(ge=1, description="Cap on the bytes of chunk files.")] | None
-    ) = None
+    max_bytes: int | None = Field(
+        None, ge=1, description="Cap on the bytes of chunk files, evicted as `max_chunks`."
+    )
     medium: Literal["cpu", "tmpfs", "disk", "remote"] | None = Field(
-        None, description="What holds the files (hit source, KV events); default: from the mount."
+        None,
+        description="What holds the files: the vLLM hit source and the KV events' medium; "
+        "unset: from the mount (tmpfs, else disk).",
     )
     admit_min_prompt_tokens: Annotated[
         int, Field(ge=0, description="Save only prompts of at least this many tokens.")
     ] = 0
     admit_min_seen: Annotated[
-        int, Field(ge=1, description="Save a chunk once requests have shown it this many times.")
+        int,
+        Field(
+            ge=1,
+            description="Save a chunk only once this many requests carried it (count-min sketch).",
+        ),
     ] = 1
     admit_when: RequestCondition | None = Field(
         None,
-        description="Save only requests that meet these conditions (a route rule's: "
-        "`param`/`equals`, prompt-length bounds, `predicate`).",
+        description="Save only requests that meet a route rule's conditions: `param` (a "
+        "`kv_transfer_params` key, with `equals`), `min_prompt_tokens`, `max_prompt_tokens`, "
+        "`predicate`.",
     )
     promote: bool = Field(
-        False, description="Store chunks another tier loaded, whatever the admission rule."
+        False,
+        description="Save chunks another tier loaded for the request, whatever the admission rule.",
     )
     emulate_read: EmulateRead | None = Field(
         None,
-        description="Benchmarks only: make every load take at least latency_ms + bytes/gbps "
-        "(an emulated slow tier; sleeps after the real read).",
+        description="**Emulation, for benchmarks**: `{latency_ms: L, gbps: G}` makes every "
+        "load take at least L ms + bytes / G GB/s (sleeps after the real read).",
     )
 
     @field_validator("path", mode="before")
@@ -125,41 +143,17 @@ class PrefixStoreConfig(BaseModel):
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> PrefixStoreConfig:
-        """Validate ``extra``; raises ``ValueError`` with one line naming the bad key."""
+        """Validate ``extra``; raises ``ValueError`` with one line naming the bad key (what
+        a key must be is its ``Field``'s: ``tree.messages`` words pydantic's error)."""
         extra = dict(extra or {})
-        known = list(cls.model_fields)
-        moved = sorted(k for k in extra if k in cls.MOVED and k not in known)
+        moved = sorted(k for k in extra if k in cls.MOVED and k not in cls.model_fields)
         if moved:
             raise ValueError(
                 f"{cls.CONNECTOR}: {moved[0]} is no longer accepted; {cls.MOVED[moved[0]]}"
             )
-        unknown = sorted(set(extra) - set(known))
-        if unknown:
-            raise ValueError(
-                f"{cls.CONNECTOR}: unknown kv_connector_extra_config keys {unknown}; "
-                f"known keys: {known}"
-            )
         try:
             return cls(**extra)
         except ValidationError as exc:
-            raise ValueError(cls._one_line(exc, extra)) from None
-
-    @classmethod
-    def _one_line(cls, exc: ValidationError, extra: dict[str, Any]) -> str:
-        """The first error in field order, phrased as the key's rule."""
-        order = list(cls.model_fields)
-        errors = sorted(
-            exc.errors(),
-            key=lambda e: order.index(str(e["loc"][0])) if e["loc"] else len(order),
-        )
-        key = str(errors[0]["loc"][0]) if errors[0]["loc"] else ""
-        if key == "path":
-            return f"{cls.CONNECTOR}: kv_connector_extra_config.path is required"
-        rule = cls.RULES.get(key)
-        if key == "admit_when" and isinstance(extra.get(key), dict):
-            inner = ".".join(str(part) for part in errors[0]["loc"][1:])
-            where = f"admit_when.{inner}" if inner else "admit_when"
-            return f"{cls.CONNECTOR}: {where}: {errors[0]['msg']}"
-        if rule is None:
-            return f"{cls.CONNECTOR}: {key}: {errors[0]['msg']}"
-        return f"{cls.CONNECTOR}: {key} {rule}, got {extra.get(key)!r}"
+            loc, message = Wording(cls).problems(exc)[0]
+            where = "".join(f"{part}: " for part in (".".join(map(str, loc)),) if part)
+            raise ValueError(f"{cls.CONNECTOR}: {where}{message}") from None
