@@ -15,15 +15,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvcompose.config.errors import (
-    ConfigError,
-    ErrorItem,
-    describe,
-    did_you_mean,
-    line_for,
-    shown,
-)
+from kvcompose.config.errors import ConfigError, ErrorItem, describe, line_for
 from kvcompose.config.source import read_file
+from kvcompose.tree.messages import Wording
 
 
 class Timeouts(BaseModel):
@@ -124,15 +118,10 @@ def load_proxy_config(path: str | Path | None = None, **overrides: Any) -> Proxy
         return ProxyConfig.model_validate(data)
     except ValidationError as exc:
         items = []
-        for error in exc.errors():
-            loc = tuple(error["loc"])
-            message = error["msg"].removeprefix("Value error, ")
-            if error["type"] == "extra_forbidden":
-                known = (Timeouts if loc[:1] == ("timeouts",) else ProxyConfig).model_fields
-                message = f"unknown key {shown(loc[-1])}{did_you_mean(loc[-1], known)}"
+        for loc, message in Wording(ProxyConfig).problems(exc):
             if loc and loc[0] in flags:  # a flag's value: no line of the file
-                where = f"--{str(loc[0]).replace('_', '-')}"
-                items.append(ErrorItem(loc[1:], f"{where}: {message}"))
+                flag = f"--{str(loc[0]).replace('_', '-')}"
+                items.append(ErrorItem(loc[1:], f"{flag}: {message}"))
             else:
                 items.append(ErrorItem(loc, message, line_for(linemap, loc)))
         raise ConfigError(items, label) from None
