@@ -99,19 +99,34 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options can only be set when stream is true",
                              "stream_options")  # fmt: skip
-        self.max_tokens_for(None)
+        self.max_tokens_for(None, None)
 
     def max_new(self) -> int | None:
         raise NotImplementedError
 
-    def max_tokens_for(self, context_left: int | None) -> int | None:
-        """The request's token budget as vLLM computes it (``get_max_tokens`` in
-        ``entrypoints/serve/utils/api_utils.py``): the client's limit, capped by what the
-        model's context leaves after the prompt (``context_left``; ``None``: not known yet,
-        or a prompt longer than the context, which P refuses itself); chat without a limit:
-        the context left, i.e. until EOS or ``max_model_len``. Then ``SamplingParams.
-        _verify_args``'s checks, with its messages (``VLLMValidationError.__str__``)."""
-        limits = [n for n in (self.max_new(), context_left) if n is not None]
+    def max_param(self) -> str:
+        """The field the client's limit came from, as vLLM names it in its errors."""
+        return "max_tokens"
+
+    def max_tokens_for(self, prompt_len: int | None, max_model_len: int | None) -> int | None:
+        """The request's token budget as vLLM computes it, and refused where vLLM refuses
+        it, with vLLM's messages (``VLLMValidationError.__str__``): a limit above the
+        context (``TokenizeParams.__post_init__``); the client's limit capped by what the
+        context leaves after the prompt (``get_max_tokens`` in
+        ``entrypoints/serve/utils/api_utils.py``; a chat without a limit: the context left,
+        i.e. until EOS or ``max_model_len``; a prompt longer than the context is P's to
+        refuse); then ``SamplingParams._verify_args``'s checks. ``None`` arguments: not
+        known yet."""
+        asked = self.max_new()
+        if asked is not None and max_model_len is not None and asked > max_model_len:
+            name = self.max_param()
+            raise BadRequest(f"{name}={asked} cannot be greater than max_model_len="
+                             f"{max_model_len}. Please request fewer output tokens. "
+                             f"(parameter={name}, value={asked})", name)  # fmt: skip
+        context_left = None
+        if max_model_len is not None and prompt_len is not None and prompt_len <= max_model_len:
+            context_left = max_model_len - prompt_len
+        limits = [n for n in (asked, context_left) if n is not None]
         max_tokens = min(limits) if limits else None
         if max_tokens is not None and max_tokens < 1:
             raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}. "
@@ -212,6 +227,9 @@ class ChatBody(_Common):
             body["chat_template_kwargs"] = self.chat_template_kwargs
         return body
 
+    def max_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def max_new(self) -> int | None:
         """``None``: no limit of the client's (``OpenAIServingChat.create_chat_completion``
         passes ``max_completion_tokens``, else ``max_tokens``, to ``get_max_tokens``)."""
@@ -227,12 +245,9 @@ def generation_request(
     max_model_len: int | None,
 ) -> GenerationRequest:  # fmt: skip
     """``max_model_len``: the model's context length, as the backends report it."""
-    left = None
-    if max_model_len is not None and len(prompt_ids) <= max_model_len:
-        left = max_model_len - len(prompt_ids)
     return GenerationRequest(
         request_id=request_id, model=model, prompt_ids=prompt_ids,
-        max_tokens=body.max_tokens_for(left),
+        max_tokens=body.max_tokens_for(len(prompt_ids), max_model_len),
         min_tokens=body.min_tokens, stop=body.stops(),
         include_stop_str_in_output=body.include_stop_str_in_output,
         sampling=body.passthrough(),

@@ -324,10 +324,15 @@ class ScriptedVLLM:
 
 def _max_tokens(body: dict[str, Any], prompt_len: int, max_model_len: int) -> Any:
     """vLLM's budget for a completion: ``CompletionRequest.normalize_null_max_tokens`` (no
-    limit or null: 16), ``get_max_tokens`` (no more than the context leaves),
+    limit or null: 16), ``TokenizeParams.__post_init__`` (no limit above the context),
+    ``get_max_tokens`` (no more than the context leaves),
     ``SamplingParams._verify_args`` (at least 1; ``min_tokens`` no more than that). A
     ``JSONResponse`` (400) when refused."""
     asked = 16 if body.get("max_tokens") is None else body["max_tokens"]
+    if asked > max_model_len:  # TokenizeParams.__post_init__
+        return _err(f"max_tokens={asked} cannot be greater than max_model_len={max_model_len}. "
+                    f"Please request fewer output tokens. (parameter=max_tokens, value={asked})",
+                    400)  # fmt: skip
     budget = min(asked, max_model_len - prompt_len)
     if budget < 1:
         return _err(f"max_tokens must be at least 1, got {budget}. "

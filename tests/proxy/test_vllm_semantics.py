@@ -111,6 +111,29 @@ def test_max_tokens_0_is_a_400_like_vllm(bed, path, field):
 
 
 @pytest.mark.parametrize(
+    ("path", "field"),
+    [("/v1/completions", "max_tokens"), ("/v1/chat/completions", "max_completion_tokens")],
+)
+def test_a_limit_above_the_context_is_a_400_like_vllm(bed, path, field):
+    """``TokenizeParams.__post_init__``: a limit above ``max_model_len`` is refused, one
+    within it but above what the prompt leaves is cut to that (``get_max_tokens``)."""
+    context = bed.decode[0].max_model_len
+    body = {"model": MODEL, field: context + 1}
+    body.update({"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES})
+    with bed.client() as c:
+        resp = c.post(path, json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"] == (
+        f"{field}={context + 1} cannot be greater than max_model_len={context}. Please "
+        f"request fewer output tokens. (parameter={field}, value={context + 1})"
+    )
+    assert not _backend_requests(bed)
+    out = _complete(bed, max_tokens=context)
+    assert out.token_ids == reference(IDS, context - len(IDS))
+    assert out.finish["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
     ("body", "message"),
     [
         (
