@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from kvcompose.config import deadline
-from kvcompose.config.env import ENV_CONFIG_FILE, ENV_FIELDS, ENV_PREFIX, ENV_SET
+from kvcompose.config.env import ENV_CONFIG_FILE, ENV_SET
 from kvcompose.config.limits import (
     MAX_ALIAS_NODES,
     MAX_DEPTH,
@@ -37,10 +37,10 @@ def render_markdown() -> str:
     env_rows = [
         f"  - `{ENV_CONFIG_FILE}`: the config file when `kv_connector_extra_config` names none;"
     ]
-    env_rows += [f"  - `{ENV_PREFIX}{f.upper()}`: top-level `{f}`;" for f in ENV_FIELDS]
     env_rows.append(
-        f"  - `{ENV_SET}`: `node.key=value` assignments separated by `;` or "
-        "newlines, e.g. `tiers.policy=first; disk.save=false`."
+        f"  - `{ENV_SET}`: `key=value` assignments separated by `;` or newlines, `key` a "
+        "top-level field or `node.key`, e.g. `kv_role=kv_producer; tiers.policy=first; "
+        "disk.save=false`."
     )
     text = string.Template(_TEMPLATE.read_text(encoding="utf-8")).substitute(
         version=VERSION,

@@ -7,13 +7,14 @@ Precedence, lowest first: schema defaults < the document (a file, or the inline 
 Environment variables (in the style of vLLM's ``VLLM_*`` and LMCache's ``LMCACHE_*``):
 
 - ``KVCOMPOSE_CONFIG_FILE``: the file to read when ``kv_connector_extra_config`` names none;
-- ``KVCOMPOSE_<FIELD>`` for each top-level field: ``KVCOMPOSE_KV_ROLE``,
-  ``KVCOMPOSE_ENGINE_ID``, ``KVCOMPOSE_KV_BUFFER_DEVICE``, ``KVCOMPOSE_KV_PORT``,
-  ``KVCOMPOSE_KV_LOAD_FAILURE_POLICY``, ``KVCOMPOSE_ENABLE_PERMUTE_LOCAL_KV``,
-  ``KVCOMPOSE_HMA``;
-- ``KVCOMPOSE_SET``: ``node.key=value`` assignments separated by ``;`` or newlines, e.g.
-  ``tiers.policy=first; disk.extra_config.shared_storage_path=/mnt/kv``. Values are read as
-  YAML scalars (``true``, ``30``, ``[a, b]``); quote strings that look like numbers.
+- ``KVCOMPOSE_SET``: ``key=value`` assignments separated by ``;`` or newlines, ``key`` a
+  top-level field or ``node.key``, e.g. ``kv_role=kv_producer; tiers.policy=first``. Values
+  are read as YAML scalars (``true``, ``30``, ``[a, b]``); quote strings that look like
+  numbers.
+
+One variable per top-level field (``KVCOMPOSE_KV_ROLE``, ...) was a second way to say what
+``KVCOMPOSE_SET`` says, with its own parsing rules; such a variable is refused with the
+``KVCOMPOSE_SET`` assignment that replaces it, never silently ignored.
 """
 
 from __future__ import annotations
@@ -29,14 +30,10 @@ import yaml
 from kvcompose.config.errors import ConfigError, did_you_mean, shown, shown_list
 from kvcompose.tree import NODE_KINDS, TRANSFER_FIELDS
 
-ENV_PREFIX = "KVCOMPOSE_"
 ENV_CONFIG_FILE = "KVCOMPOSE_CONFIG_FILE"
 ENV_SET = "KVCOMPOSE_SET"
-
-#: Top-level document fields that have a ``KVCOMPOSE_<FIELD>`` variable.
-ENV_FIELDS: tuple[str, ...] = (*TRANSFER_FIELDS, "hma")
-#: Fields whose environment value is taken as a string, not parsed as YAML.
-_STRING_FIELDS = frozenset({"engine_id", "kv_buffer_device", "kv_role", "kv_load_failure_policy"})
+#: The per-field variables older releases read (``KVCOMPOSE_KV_ROLE``, ...).
+_DROPPED = {f"KVCOMPOSE_{field.upper()}": field for field in (*TRANSFER_FIELDS, "hma")}
 
 
 @dataclass(frozen=True)
@@ -56,19 +53,16 @@ def parse_value(text: str) -> Any:
 
 
 def env_overrides(env: Mapping[str, str]) -> list[Override]:
-    """The overrides the environment asks for, in the order they apply."""
-    out: list[Override] = []
-    for field in ENV_FIELDS:
-        var = ENV_PREFIX + field.upper()
-        if env.get(var, "").strip():  # set and not empty
-            raw = env[var].strip()
-            value = raw if field in _STRING_FIELDS else parse_value(raw)
-            if field == "hma" and isinstance(value, str) and value.lower() in ("true", "false"):
-                value = value.lower() == "true"
-            out.append(Override(f"{var}={raw}", field, value))
-    if env.get(ENV_SET, "").strip():
-        out.extend(parse_assignments(env[ENV_SET], ENV_SET))
-    return out
+    """The overrides the environment asks for (``KVCOMPOSE_SET``), in the order they apply."""
+    for var, field in _DROPPED.items():
+        if env.get(var, "").strip():
+            raise ConfigError(
+                f"{var} is no longer read: set top-level fields with {ENV_SET}, e.g. "
+                f"{ENV_SET}={shown(f'{field}={env[var].strip()}')}"
+            )
+    if not env.get(ENV_SET, "").strip():
+        return []
+    return parse_assignments(env[ENV_SET], ENV_SET)
 
 
 def parse_assignments(text: str, source: str) -> list[Override]:

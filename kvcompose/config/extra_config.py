@@ -1,7 +1,7 @@
 """Where the document of a ``kv_connector_extra_config`` comes from.
 
 vLLM hands a composite one mapping; the tree in it can be inline (the tree's keys at the top),
-in a file (``config``, or the ``KVCOMPOSE_CONFIG`` environment variable), and any other keys
+in a file (``config``, or the ``KVCOMPOSE_CONFIG_FILE`` environment variable), and any other keys
 next to it are overrides. Kept apart from the loading pipeline because these are the rules of
 the extra config's shape, not of the tree.
 """

@@ -208,8 +208,8 @@ def test_precedence_defaults_file_env_extra(tree_file: str) -> None:
         tree_from_extra_config({"config": tree_file}, env={}, check_vllm=False).policy == "longest"
     )
     env = {
-        "KVCOMPOSE_SET": "tiers.policy=first; ram.extra_config.shared_storage_path=/env",
-        "KVCOMPOSE_KV_ROLE": "kv_producer",
+        "KVCOMPOSE_SET": "tiers.policy=first; ram.extra_config.shared_storage_path=/env; "
+        "kv_role=kv_producer",
     }
     tree = tree_from_extra_config({"config": tree_file}, env=env, check_vllm=False)
     assert tree.policy == "first"  # environment beats the file
@@ -234,7 +234,7 @@ def test_env_beats_an_inline_document() -> None:
     extra = {"kv_role": "kv_both", "tree": {"leaf": {"name": "a", "connector": "X"}}}
     tree = tree_from_extra_config(
         extra,
-        env={"KVCOMPOSE_KV_ROLE": "kv_consumer", "KVCOMPOSE_SET": "a.save=false"},
+        env={"KVCOMPOSE_SET": "kv_role=kv_consumer; a.save=false"},
         check_vllm=False,
     )
     assert tree.transfer_fields() == {"kv_role": "kv_consumer"} and tree.save is False
@@ -248,11 +248,8 @@ def test_env_typed_values() -> None:
     config = config_from_extra_config(
         {"tree": {"leaf": {"name": "a", "connector": "X"}}},
         env={
-            "KVCOMPOSE_KV_PORT": "5600",
-            "KVCOMPOSE_ENGINE_ID": "0123",
-            "KVCOMPOSE_ENABLE_PERMUTE_LOCAL_KV": "true",
-            "KVCOMPOSE_HMA": "false",
-            "KVCOMPOSE_SET": "a.extra_config.sizes=[1, 2]; a.extra_config.name='007'",
+            "KVCOMPOSE_SET": "kv_port=5600; engine_id='0123'; enable_permute_local_kv=true; "
+            "hma=false; a.extra_config.sizes=[1, 2]; a.extra_config.name='007'",
         },
         check_vllm=False,
     )
@@ -264,10 +261,10 @@ def test_env_typed_values() -> None:
     assert config.hma is False
     assert config.tree.extra_config == {"sizes": [1, 2], "name": "007"}
     assert config.overrides == (
-        "KVCOMPOSE_ENGINE_ID=0123",
-        "KVCOMPOSE_KV_PORT=5600",
-        "KVCOMPOSE_ENABLE_PERMUTE_LOCAL_KV=true",
-        "KVCOMPOSE_HMA=false",
+        "KVCOMPOSE_SET 'kv_port=5600'",
+        "KVCOMPOSE_SET \"engine_id='0123'\"",
+        "KVCOMPOSE_SET 'enable_permute_local_kv=true'",
+        "KVCOMPOSE_SET 'hma=false'",
         "KVCOMPOSE_SET 'a.extra_config.sizes=[1, 2]'",
         "KVCOMPOSE_SET \"a.extra_config.name='007'\"",
     )
@@ -275,7 +272,7 @@ def test_env_typed_values() -> None:
 
 def test_empty_env_vars_are_unset(tree_file: str) -> None:
     config = config_from_extra_config(
-        {"config": tree_file}, check_vllm=False, env={"KVCOMPOSE_KV_ROLE": "", "KVCOMPOSE_SET": " "}
+        {"config": tree_file}, check_vllm=False, env={"KVCOMPOSE_SET": " "}
     )
     assert config.overrides == ()
     assert config.transfer == {"kv_role": "kv_both"}
@@ -302,8 +299,17 @@ def test_os_environ_is_the_default(tree_file: str, monkeypatch: pytest.MonkeyPat
             {"KVCOMPOSE_SET": "ram.connector.x=1"},
             "KVCOMPOSE_SET 'ram.connector.x=1': 'connector' of node 'ram' is not a mapping",
         ),
-        ({"KVCOMPOSE_HMA": "maybe"}, "KVCOMPOSE_HMA=maybe: hma: must be true, false or 'auto'"),
-        ({"KVCOMPOSE_KV_PORT": "http"}, "KVCOMPOSE_KV_PORT=http: kv_port: expected an integer"),
+        ({"KVCOMPOSE_SET": "hma=maybe"}, "KVCOMPOSE_SET 'hma=maybe': hma: must be true, false"),
+        (
+            {"KVCOMPOSE_SET": "kv_port=http"},
+            "KVCOMPOSE_SET 'kv_port=http': kv_port: expected an integer",
+        ),
+        # the per-field variables of older releases are refused, never silently ignored
+        (
+            {"KVCOMPOSE_KV_ROLE": "kv_producer"},
+            "KVCOMPOSE_KV_ROLE is no longer read: set top-level fields with KVCOMPOSE_SET, "
+            "e.g. KVCOMPOSE_SET='kv_role=kv_producer'",
+        ),
     ],
 )
 def test_bad_env(tree_file: str, env: dict[str, str], message: str) -> None:
