@@ -12,7 +12,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-#: Subcommand modules (``kvcompose.cli.<name>_cmd``), in help order.
+#: Subcommand modules (``kvcompose.cli.<name>_cmd``), in help order. Each ships with the
+#: package and imports only the package's own dependencies at the top (``bench`` and ``proxy``
+#: import vLLM, httpx and the like when they run), so one that cannot be imported is a bug:
+#: it fails loudly rather than vanishing from ``--help``.
 COMMANDS: tuple[str, ...] = (
     "validate",
     "explain",
@@ -22,8 +25,6 @@ COMMANDS: tuple[str, ...] = (
     "bench",
     "proxy",
 )
-#: Commands whose module may be absent (another package or a later release adds them).
-OPTIONAL: frozenset[str] = frozenset({"bench"})
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_TERMINATED = 128 + signal.SIGTERM  # a shell's status for a process ended by SIGTERM
@@ -38,16 +39,7 @@ def _quiet_vllm() -> None:
 
 
 def load_commands() -> list[object]:
-    modules = []
-    for name in COMMANDS:
-        module_name = f"kvcompose.cli.{name}_cmd"
-        try:
-            modules.append(importlib.import_module(module_name))
-        except ImportError:
-            if name in OPTIONAL and os.environ.get("KVCOMPOSE_DEBUG") != "1":
-                continue  # not installed, or its extra dependencies are missing
-            raise
-    return modules
+    return [importlib.import_module(f"kvcompose.cli.{name}_cmd") for name in COMMANDS]
 
 
 def build_parser() -> argparse.ArgumentParser:
