@@ -33,7 +33,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvcompose.proxy.app import SSEResponse
 
@@ -100,7 +100,9 @@ class Fabric:
 class Fault:
     """``kind``: "status" (answer ``code``), "load_fail", "recomputed" (after ``after``
     tokens), "drop" (close the connection after ``after`` tokens), "abort" (finish_reason
-    abort after ``after`` tokens), "delay" (wait ``seconds`` first, then serve)."""
+    abort after ``after`` tokens), "delay" (wait ``seconds`` first, then serve),
+    "slow_answer" (a prefill: its status line at once, its body ``seconds`` later; vLLM
+    sends both together once the prefill is over, a slow network can part them)."""
 
     kind: str
     after: int = 0
@@ -201,7 +203,10 @@ class ScriptedVLLM:
             if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
                 return _err("the scripted server takes token-id prompts only", 400)
             if params.get("do_remote_decode"):
-                return self._prefill(rid, prompt)
+                answer = self._prefill(rid, prompt)
+                if fault is not None and fault.kind == "slow_answer":
+                    return _slowly(answer, fault.seconds)
+                return answer
             return SSEResponse(
                 self._decode(rid, body, params, fault), media_type="text/event-stream"
             )
@@ -320,6 +325,14 @@ class ScriptedVLLM:
             self.active.discard(rid)
             if not finished:
                 self.aborted.append(rid)
+
+
+def _slowly(answer: JSONResponse, seconds: float) -> StreamingResponse:
+    async def body() -> Any:
+        await asyncio.sleep(seconds)  # the status line went first
+        yield answer.body
+
+    return StreamingResponse(body(), media_type="application/json")
 
 
 def _max_tokens(body: dict[str, Any], prompt_len: int, max_model_len: int) -> Any:

@@ -207,6 +207,20 @@ def test_client_leaving_during_the_prefill_aborts_it(bed, streamed):
                       outcome=outcome) == 1  # fmt: skip
 
 
+def test_client_leaving_once_p_answers_releases_the_handoff(bed):
+    """Once P's answer began, its prefill is over and it holds the blocks for a D: the proxy
+    reads the answer and has a D reject the hand-off (P frees the blocks), D decodes
+    nothing."""
+    bed.prefill[0].fail_next(Fault("slow_answer", seconds=1.0))
+    body = {"model": MODEL, "prompt": tokenize(PROMPT), "max_tokens": 5, "stream": True}
+    with bed.client(timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/completions", json=body)
+    assert _wait(lambda: bed.fabric.released), "P still holds the hand-off"
+    assert not bed.fabric.held and not bed.prefill[0].aborted
+    decode = [r for s in bed.decode for r in s.requests]
+    assert [bool(r.get("use_beam_search")) for r in decode] == [True]  # the release only
+
+
 def test_concurrent_clients_with_faults_lose_and_duplicate_nothing(bed):
     prompts = [[(7 * i + j) % 997 + 3 for j in range(20 + i % 7)] for i in range(64)]
     kinds = [
