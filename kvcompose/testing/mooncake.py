@@ -398,6 +398,46 @@ class MooncakeCluster:
             raise MooncakeError(f"remove_all failed ({out.returncode}):\n{out.stderr[-3000:]}")
         return int(removed[-1].split()[1])
 
+    def corrupt(self, timeout: float = 60.0) -> int:
+        """Overwrite every stored object with noise of its size (a negative control: an
+        engine that loads them must then produce different output); returns how many.
+
+        The noise is finite float32 values (normal, scale 4), not raw random bytes. With raw
+        bytes (which hold NaNs) the next test on the same engine failed: a request whose
+        prompt KV loaded intact decoded its first token right and then only token 0. The
+        likely cause is NaNs left in the freed KV blocks, read again through a reused
+        block's unused slots. With finite noise every later request matched.
+        """
+        code = (
+            "import sys, urllib.request\n"
+            "import numpy as np\n"
+            "from mooncake.store import MooncakeDistributedStore\n"
+            "rng = np.random.default_rng(0)\n"
+            "s = MooncakeDistributedStore()\n"
+            f"rc = s.setup('127.0.0.1', {self.metadata_url!r}, 0, 16 << 20, 'tcp', '', "
+            f"{self.master_address!r})\n"
+            "if rc != 0: sys.exit(f'setup failed: {rc}')\n"
+            f"url = 'http://127.0.0.1:{self.admin_port}/get_all_keys'\n"
+            "keys = urllib.request.urlopen(url, timeout=5).read().decode().split()\n"
+            "for key in keys:\n"
+            "    size = s.get_size(key)\n"
+            "    noise = (rng.standard_normal(size // 4, dtype=np.float32) * 4).tobytes()\n"
+            "    if size <= 0 or s.upsert(key, noise) != 0: sys.exit(f'{key}: {size}')\n"
+            "print('corrupted', len(keys))\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        done = [ln for ln in out.stdout.splitlines() if ln.startswith("corrupted ")]
+        if out.returncode != 0 or not done:
+            raise MooncakeError(f"corrupt failed ({out.returncode}):\n{out.stderr[-3000:]}")
+        return int(done[-1].split()[1])
+
     # ------------------------------------------------------------------ engines
 
     def lookup_rpc_port(self) -> int:

@@ -34,7 +34,7 @@ LLM_KWARGS = {"block_size": BLOCK, "enable_prefix_caching": False, "max_model_le
 #: prompts by name: distinct seeds share no prefix
 PROMPTS = {name: prompt(n, seed) for name, n, seed in [
     ("p1", 200, 11), ("p2", 256, 12), ("p3", 256, 13), ("p4", 256, 14),
-    ("p5", 256, 15), ("p6", 256, 16),
+    ("p5", 256, 15), ("p6", 256, 16), ("neg", 256, 17),
 ]}  # fmt: skip
 #: the requests in flight when the master is killed, and how many tokens they decode
 IN_FLIGHT, LONG = ("p5", "p6"), 64
@@ -167,6 +167,22 @@ def test_longest_takes_the_longer_tier_and_the_local_one_on_a_tie(engines, empty
     hits, load = diff(a.call(node_counters), before), diff(a.call(_loaded), load_before)
     assert hits.get("hit_tokens.local") == FULL and "hit_tokens.shared" not in hits
     assert not load.get("keys")
+
+
+def test_negative_control_corrupted_shared_blocks_change_the_output(
+    engines, empty_store, reference
+):
+    """The shared tier's blocks overwritten with noise: B still loads them (same hit), and
+    its output changes, so the outputs above come from the KV Mooncake served."""
+    a, b = engines["a"], engines["b"]
+    assert run(a, "neg") == reference["neg"]
+    assert wait_keys(empty_store, SAVED) == SAVED
+    assert empty_store.corrupt() == SAVED
+    before = b.call(node_counters)
+    out = run(b, "neg")
+    hits = diff(b.call(node_counters), before)
+    assert hits.get("hit_tokens.shared") == FULL, hits
+    assert out != reference["neg"], "B's output ignored the KV it loaded from Mooncake"
 
 
 def test_master_killed_mid_run_requests_finish_and_hits_come_back(engines, empty_store, reference):
