@@ -87,7 +87,11 @@ def create_app(config: ProxyConfig, *, http_client: httpx.AsyncClient | None = N
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = http_client or httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            limits=httpx.Limits(
+                max_connections=None,
+                max_keepalive_connections=256,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
+            )
         )
         transport = Transport(client, config.timeouts)
         router = Router(config, pool, transport, metrics)
@@ -201,6 +205,14 @@ def _error(message: str, status: int, param: str | None = None, body: Any = None
         return JSONResponse(body, status_code=status)  # the backend's own error, as it was
     return JSONResponse(error_body(message, status, param=param), status_code=status)
 
+
+#: Seconds an idle backend connection stays in the pool. vLLM's server closes one after
+#: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (5 s by default), httpx's default expiry is also 5 s: a
+#: request sent on a connection the server is closing that moment fails (``ReadError``),
+#: which takes a healthy P out of rotation and costs the request an attempt (a prefill's
+#: ``ReadError('')`` after some idle seconds, once among 64 concurrent clients, most likely
+#: this). Dropping idle connections well before the server does avoids the race.
+KEEPALIVE_EXPIRY_S = 2.0
 
 #: The largest request body read (a prompt of a million token ids is about 8 MB); a larger
 #: one is refused with 413 before it is held whole in memory.
