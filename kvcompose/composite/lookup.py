@@ -11,7 +11,10 @@ segments (``kvcompose.composite.segments``):
   is ``Lookup.takes``, the one ownership rule;
 - ``stitch``: each child that can start a segment where the earlier ones end (its
   ``kvcompose.tree.ranges`` mode and alignment allow it) is asked *there*, and each hit is a
-  segment of one stitched load (``kvcompose.composite.stitch``).
+  segment of one stitched load (``kvcompose.composite.stitch``);
+- ``fastest``: every child is asked at ``local``, and the plan with the least predicted time
+  to first token is taken (``kvcompose.composite.fastest``): no segment (recompute), one, or
+  several, each segment that starts later asked again *there*, as a stitch asks.
 
 A child still answering ``None`` holds the decision (``longest`` asks the rest first) until
 it answers or the node's lookup deadline passes. A sync plan always leaves vLLM one token to
@@ -32,6 +35,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcompose import tree as nodes
+from kvcompose.composite import fastest
+from kvcompose.composite.costs import Costs
 from kvcompose.composite.ledger import LoadState
 from kvcompose.composite.policies import Candidates, RouteLookup, policy_for
 from kvcompose.composite.segments import Segment
@@ -106,6 +111,7 @@ class Lookup:
         block_size: int,
         *,
         ask_every_child: bool,
+        costs: Costs | None = None,
     ) -> None:
         self.name = name
         self.children = children
@@ -118,6 +124,7 @@ class Lookup:
         mode = self.policy.mode
         self.longest = mode == "longest"
         self.stitching = mode == "stitch"
+        self.costs = costs  # ``fastest`` only
         # ``first`` stops at the first hit unless every child must be asked (vLLM's
         # MultiConnector does: a child that pins or prefetches on lookup relies on it);
         # the first hit still owns either way.
@@ -140,7 +147,7 @@ class Lookup:
         fixed = self.fixed_candidates
         self._asks = (
             tuple((i, lookups[i]) for i in fixed.children)
-            if fixed is not None and not self.stitching
+            if fixed is not None and not self.stitching and self.costs is None
             else None
         )
         # per child, the last miss it answered, if that was a tuple ``(0, False)``: a child
@@ -214,6 +221,7 @@ class Lookup:
         disabled = self.guard.disabled
         stitching = self.stitching
         segments: list[Segment] = []
+        hits: list[fastest.Hit] = []  # every hit (fastest)
         best = 0  # the owner's tokens so far (first, longest)
         covered = local  # where the next segment starts (stitch)
         pending = False
@@ -237,7 +245,7 @@ class Lookup:
                     timeouts.append(child)
                     continue
                 pending = True
-                if self.longest:
+                if self.longest or self.costs is not None:
                     continue
                 break
             if tokens <= 0:
@@ -261,11 +269,54 @@ class Lookup:
                 covered += tokens
                 if support.mode in ("sole_owner", "last_segment"):
                     break
+            elif self.costs is not None:
+                hits.append(fastest.Hit(child, covered + tokens, is_async))
             elif self.takes(best, tokens):
                 segments, best = [segment], tokens
                 if self.stop_at_hit:
                     break
-        return PENDING if pending else tuple(segments)
+        if pending:
+            return PENDING
+        if self.costs is not None:
+            return self._fastest(request, local, hits, trace) if hits else ()
+        return tuple(segments)
+
+    def _fastest(
+        self, request: Request, local: int, hits: list[fastest.Hit], trace: list[str] | None
+    ) -> Plan:
+        """``fastest``'s plan: the cheapest (``kvcompose.composite.fastest.choose``), each
+        segment that starts after ``local`` asked again there; an answer that cannot carry
+        the plan ends it there (the rest is recomputed)."""
+        costs = self.costs
+        assert costs is not None
+        choice, weighed = fastest.choose(
+            hits, local, request.num_tokens, self.range_supports, self.block_size, costs
+        )
+        if trace is not None:
+            names = self.children.names
+            trace.append("plans: " + "; ".join(c.describe(names) for c in weighed))
+        answered = {h.child: h.end for h in hits}
+        plan: list[Segment] = []
+        for part in choice.parts:
+            support = self.range_supports[part.child]
+            end, is_async = answered[part.child], part.is_async
+            if part.start != local:
+                tokens, is_async = self.ask(part.child, request, part.start)
+                if not tokens or tokens <= 0:
+                    break
+                end = part.start + tokens
+                if not is_async and end >= request.num_tokens:
+                    end = part.start + self._leave_one(part.child, request, part.start, tokens)
+            if end < part.end or (end > part.end and not support.can_cut):
+                if end <= part.start or not support.can_cut:
+                    break
+                plan.append(Segment(part.child, part.start, end, is_async, support.mode, True))
+                break  # shorter than planned: the rest is recomputed
+            plan.append(
+                Segment(part.child, part.start, part.end, is_async, support.mode, support.can_cut)
+            )
+        self.counters.inc(f"plans.{fastest.Choice(tuple(plan), 0).kind}")
+        return tuple(plan)
 
     def decide(self, request: Request, local: int, record: LoadRecord | None) -> Answer:
         """The node's answer for ``request`` in any state, by ``plan``; recorded in the
@@ -289,6 +340,8 @@ class Lookup:
             reason += "+fallback"
         for segment in found:
             self.counters.hit(segment.child, segment.tokens)
+        if self.costs is not None:
+            self._expect(req_id, found)
         if len(found) > 1:
             stitched = self.ledger.decide_stitch(req_id, found, reason, local)
             tokens, is_async = stitched.tokens, stitched.is_async
@@ -315,6 +368,15 @@ class Lookup:
                 reason,
             )
         return tokens, is_async
+
+    def _expect(self, req_id: str, plan: Plan) -> None:
+        """``fastest``: each segment's load awaits its time from the worker half."""
+        costs = self.costs
+        assert costs is not None
+        costs.forget(req_id)
+        for s in plan:
+            predicted = costs.loads[s.child].predict(s.tokens)
+            costs.expect(req_id, s.child, s.tokens, predicted, s.is_async)
 
     # ------------------------------------------------------------ what vLLM calls
     def answer(self, request: Request, num_computed_tokens: int) -> Answer:

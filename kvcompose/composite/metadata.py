@@ -69,16 +69,23 @@ class ComposedWorkerMeta(KVConnectorWorkerMetadata):
 
     ``failed_segments``: parked stitched loads whose segments failed this step, request id →
     the failed children (hidden from vLLM, which reads failures before the scheduler half
-    sees them: the scheduler half decides what vLLM is told, see ``StitchLoad``)."""
+    sees them: the scheduler half decides what vLLM is told, see ``StitchLoad``).
+    ``load_seconds``: (request id, child) → the seconds a load took (``policy: fastest``,
+    ``kvcompose.composite.worker_timing``); across workers the slowest rank's, since the load
+    is done when every rank has it."""
 
     children: tuple[KVConnectorWorkerMetadata | None, ...]
     failed_segments: dict[str, frozenset[int]] = field(default_factory=dict)
+    load_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, ComposedWorkerMeta)
         failed = dict(self.failed_segments)
         for req_id, children in other.failed_segments.items():
             failed[req_id] = failed.get(req_id, frozenset()) | children
+        seconds = dict(self.load_seconds)
+        for key, took in other.load_seconds.items():
+            seconds[key] = max(seconds.get(key, 0.0), took)
         merged = []
         for mine, theirs in zip(self.children, other.children, strict=True):
             if mine is None:
@@ -87,7 +94,7 @@ class ComposedWorkerMeta(KVConnectorWorkerMetadata):
                 merged.append(mine)
             else:
                 merged.append(mine.aggregate(theirs))
-        return ComposedWorkerMeta(tuple(merged), failed)
+        return ComposedWorkerMeta(tuple(merged), failed, seconds)
 
 
 @dataclass

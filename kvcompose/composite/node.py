@@ -184,7 +184,8 @@ class CompositeConnector(KVConnectorBase_V1):
             )
             self._bind_members("scheduler_side")
         else:
-            self.worker_side = CompositeWorker(self.name, self.children)
+            fastest = isinstance(self.spec, nodes.Chain) and self.spec.policy == "fastest"
+            self.worker_side = CompositeWorker(self.name, self.children, timed=fastest)
             self._bind_members("worker_side")
 
     def _bind_members(self, side: str) -> None:

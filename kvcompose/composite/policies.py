@@ -7,7 +7,9 @@ Chain, fan-out and route differ only here. A policy names the *candidates* for a
   it holds the decision until it answers or the node's lookup deadline passes;
 - ``longest``: ask every candidate, the largest count wins, ties go to the earlier child;
 - ``stitch``: ask in order, each child at the end of what the earlier ones cover, every hit
-  a segment of one stitched load (``kvcompose.composite.stitch``).
+  a segment of one stitched load (``kvcompose.composite.stitch``);
+- ``fastest``: ask every candidate, and take the plan (recompute, one load, or a stitch)
+  with the least predicted time to first token (``kvcompose.composite.fastest``).
 
 Route asks exactly one child (chosen by its rules), fan-out one designated child or none.
 """
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvcompose")
 
-Mode = Literal["first", "longest", "stitch"]
+Mode = Literal["first", "longest", "stitch", "fastest"]
 
 
 @dataclass(frozen=True)

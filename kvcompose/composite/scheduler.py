@@ -23,11 +23,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvcompose import tree as nodes
 from kvcompose.composite.children import Children
+from kvcompose.composite.costs import Costs
 from kvcompose.composite.finishes import Finishes
 from kvcompose.composite.forwarding import SchedulerForwarding
 from kvcompose.composite.ledger import Ledger, LoadState
 from kvcompose.composite.lookup import Lookup
-from kvcompose.composite.metadata import CompositeMetadata
+from kvcompose.composite.metadata import ComposedWorkerMeta, CompositeMetadata
 from kvcompose.composite.output_routing import OutputRouter
 from kvcompose.composite.stats import NodeCounters
 from kvcompose.composite.stitch import StitchPlanner
@@ -78,6 +79,8 @@ class CompositeScheduler(SchedulerForwarding):
         )
         self.ledger = Ledger()
         self._ledger_ids = self.ledger.ids
+        fastest = isinstance(tree, nodes.Chain) and tree.policy == "fastest"
+        self.costs = Costs.for_tree(tree, vllm_config) if fastest else None  # type: ignore[arg-type]
         self.lookup = Lookup(
             name,
             tree,
@@ -86,6 +89,7 @@ class CompositeScheduler(SchedulerForwarding):
             self.ledger,
             self.block_size,
             ask_every_child=ask_every_child,
+            costs=self.costs,
         )
         self.stitches = StitchPlanner(
             self.lookup, base_hit_sources, block_level_failures=num_kv_groups <= 1
@@ -174,6 +178,8 @@ class CompositeScheduler(SchedulerForwarding):
                     self.guard.child_error(i, "update_state_after_alloc", exc)
             return
         record = self.ledger.allocated(req_id, num_external_tokens)
+        if self.costs is not None and record is not None and record.state is LoadState.NO_LOAD:
+            self.costs.forget(req_id)  # granted nothing: no load to time
         if record is not None and record.segments:
             self.stitches.allocated(record, request, blocks, num_external_tokens)
             return
@@ -226,6 +232,8 @@ class CompositeScheduler(SchedulerForwarding):
     # ------------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CompositeMetadata:
         self.lookup.set_debug(logger.isEnabledFor(logging.DEBUG))
+        if self.costs is not None:  # the previous step's time measures prefill
+            self.costs.step(scheduler_output.total_num_scheduled_tokens)
         if self._outputs.recovering:  # receives held back for a recovery round
             self._recovery_round()
         children = tuple([c.build_connector_meta(scheduler_output) for c in self._connectors])
@@ -259,8 +267,31 @@ class CompositeScheduler(SchedulerForwarding):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Each child sees the step's output as if it were the only connector
-        (``kvcompose.composite.output_routing``)."""
+        (``kvcompose.composite.output_routing``); ``fastest`` takes its loads' times."""
+        if self.costs is not None:
+            meta = connector_output.kv_connector_worker_meta
+            if isinstance(meta, ComposedWorkerMeta) and meta.load_seconds:
+                self._timed(meta.load_seconds)
         self._outputs.route(connector_output)
+
+    def _timed(self, load_seconds: dict[tuple[str, int], float]) -> None:
+        """Loads the worker half timed: fitted into their children's estimates, counted as
+        predicted and actual seconds, and logged with the decision at debug level."""
+        names = self.children.names
+        for expected, seconds in self.costs.timed(load_seconds):  # type: ignore[union-attr]
+            name = names[expected.child]
+            self.counters.inc(f"load_seconds_predicted.{name}", expected.predicted_s)
+            self.counters.inc(f"load_seconds_actual.{name}", seconds)
+            if self.lookup.debug:
+                logger.debug(
+                    "kvcompose[%s] %s: %s loaded %d tokens in %.1f ms (predicted %.1f ms)",
+                    self.name,
+                    expected.req_id,
+                    name,
+                    expected.tokens,
+                    seconds * 1000,
+                    expected.predicted_s * 1000,
+                )
 
     # ------------------------------------------------------------------ finishing
     def register_finished_partial_tail(
@@ -318,6 +349,8 @@ class CompositeScheduler(SchedulerForwarding):
         # aborted while loading: the loaders' receive still comes (one, for a stitch; a
         # stitch recovering from a failed segment gets it in its next round)
         loaders = None
+        if self.costs is not None:
+            self.costs.forget(req_id, in_flight_only=True)
         if req_id in self._ledger_ids:
             record = self.ledger.finished(req_id)
             if record is not None and record.state in _IN_FLIGHT:

@@ -51,17 +51,17 @@ class NodeCounters:
         self.lookups = 0
         self.drained_lookups = 0
         self.changed = False
-        self._totals: defaultdict[str, int] = defaultdict(int)
+        self._totals: defaultdict[str, float] = defaultdict(int)
         self._drained: dict[str, int] = {}
         self._hit_keys = [(f"hits.{n}", f"hit_tokens.{n}") for n in child_names]
 
     @property
-    def totals(self) -> defaultdict[str, int]:
+    def totals(self) -> defaultdict[str, float]:
         if self.lookups:
             self._totals["lookups"] = self.lookups
         return self._totals
 
-    def inc(self, key: str, n: int = 1) -> None:
+    def inc(self, key: str, n: float = 1) -> None:
         self._totals[key] += n
         self.changed = True
 
@@ -196,6 +196,24 @@ PROM_COUNTERS = (
         "vllm:kvcompose_reloaded_tokens",
         ("child",),
         "Tokens of failed stitch segments a kvcompose node's children reloaded.",
+    ),
+    (
+        "plans",
+        "vllm:kvcompose_plans",
+        ("kind",),
+        "Plans a `fastest` kvcompose node chose, by kind (recompute, load, stitch).",
+    ),
+    (
+        "load_seconds_predicted",
+        "vllm:kvcompose_load_seconds_predicted",
+        ("child",),
+        "Seconds a `fastest` kvcompose node predicted for its children's timed loads.",
+    ),
+    (
+        "load_seconds_actual",
+        "vllm:kvcompose_load_seconds_actual",
+        ("child",),
+        "Seconds its children's timed loads took, as a `fastest` kvcompose node measured.",
     ),
     (
         "lookup_timeouts",

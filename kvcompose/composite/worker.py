@@ -27,6 +27,7 @@ from kvcompose.composite.metadata import (
     CompositeMetadata,
 )
 from kvcompose.composite.worker_signals import WorkerSignals
+from kvcompose.composite.worker_timing import LoadTimer
 
 if TYPE_CHECKING:
     import torch
@@ -36,11 +37,12 @@ if TYPE_CHECKING:
 class CompositeWorker:
     """Worker-side state and methods of one node (built for the WORKER role)."""
 
-    def __init__(self, name: str, children: Children) -> None:
+    def __init__(self, name: str, children: Children, *, timed: bool = False) -> None:
         self.name = name
         self.children = children
         self.guard = children.guard
-        self.signals = WorkerSignals(children.guard)
+        self.timer = LoadTimer() if timed else None  # ``policy: fastest`` times the loads
+        self.signals = WorkerSignals(children.guard, self.timer)
         self._savers = [i for i, c in enumerate(children) if c.saves]
         # the children's load errors, taken with their transfer results (None: not this step)
         self._load_errors: set[int] | None = None
@@ -49,13 +51,18 @@ class CompositeWorker:
         return self.signals.live()
 
     def _all_loading(self, method: str, *args: Any, **kwargs: Any) -> None:
-        """Worker calls that load KV: a child that raises fails its own loads, no other's."""
+        """Worker calls that load KV: a child that raises fails its own loads, no other's.
+        A child's calls in a step it loads sync are timed (``policy: fastest``)."""
+        timer = self.timer
         for i, child in enumerate(self.children.connectors):
+            started = timer.clock() if timer is not None and timer.loads_sync(i) else None
             try:
                 getattr(child, method)(*args, **kwargs)
             except Exception as exc:
                 self.signals.fail_loads_of(i)
                 self.guard.child_error(i, method, exc)
+            if started is not None:
+                timer.add_sync(i, timer.clock() - started)  # type: ignore[union-attr]
 
     def _savers_all(self, method: str, *args: Any, **kwargs: Any) -> None:
         call = self.children.call
@@ -195,6 +202,7 @@ class CompositeWorker:
             for i in range(len(self.children.connectors))
         )
         failures = self.signals.take_segment_failures()
-        if not failures and all(p is None for p in parts):
+        took = self.timer.take() if self.timer is not None else {}
+        if not failures and not took and all(p is None for p in parts):
             return None
-        return ComposedWorkerMeta(parts, failures)
+        return ComposedWorkerMeta(parts, failures, took)

@@ -31,13 +31,15 @@ from kvcompose.composite.guard import Guard
 from kvcompose.composite.metadata import CompositeMetadata
 from kvcompose.composite.worker_fences import Fences
 from kvcompose.composite.worker_stitches import StitchRounds
+from kvcompose.composite.worker_timing import LoadTimer
 
 
 class WorkerSignals:
     """One terminal signal per request, from the right child."""
 
-    def __init__(self, guard: Guard) -> None:
+    def __init__(self, guard: Guard, timer: LoadTimer | None = None) -> None:
         self._guard = guard
+        self.timer = timer  # ``fastest``: loads timed
         self._recv_owner: dict[str, int] = {}
         self._recv_blocks: dict[str, tuple[int, ...]] = {}
         self._send_waiting: dict[str, set[int]] = {}
@@ -60,6 +62,8 @@ class WorkerSignals:
         if metadata.invalid_blocks:
             self._failed_blocks.update(metadata.invalid_blocks)
         self.stitches.on_metadata(metadata)
+        if self.timer is not None:
+            self.timer.on_metadata(metadata)
 
     @staticmethod
     def _step_loads(metadata: CompositeMetadata) -> list[tuple[int, tuple[int, ...]]]:
@@ -129,7 +133,10 @@ class WorkerSignals:
             if result is None:
                 continue
             for req_id in result.finished_recving | result.failed_recving:
-                if self.stitches.receive(child, req_id, req_id in result.failed_recving):
+                failed = req_id in result.failed_recving
+                if self.stitches.receive(child, req_id, failed):
+                    if self.timer is not None and not failed:
+                        self.timer.received(req_id, child)
                     continue
                 owner = self._recv_owner.get(req_id)
                 if self.fences and self.fences.receive(child, req_id, owner):
@@ -143,8 +150,10 @@ class WorkerSignals:
                 del self._recv_owner[req_id]
                 self._recv_blocks.pop(req_id, None)
                 out.finished_recving.add(req_id)
-                if req_id in result.failed_recving:
+                if failed:
                     out.failed_recving.add(req_id)
+                elif self.timer is not None:
+                    self.timer.received(req_id, child)
             for req_id in result.finished_sending:
                 waiting = self._send_waiting.get(req_id)
                 if waiting is None or child not in waiting:
@@ -165,6 +174,8 @@ class WorkerSignals:
                 out.failed_recving.add(req_id)
         if self.fences and finished_req_ids:
             self._freed += [r for r in finished_req_ids if r not in self._send_waiting]
+        if self.timer is not None and finished_req_ids:
+            self.timer.forget(finished_req_ids)
         return out
 
     def live(self) -> dict[str, object]:
@@ -177,4 +188,6 @@ class WorkerSignals:
             tables["stitches_in_flight"] = stitches
         if fenced := self.fences.live():
             tables["fenced_loads"] = fenced
+        if self.timer is not None and (timed := self.timer.live()):
+            tables["loads_timed"] = timed
         return tables

@@ -17,11 +17,13 @@ from kvcompose.tree.fields import (
     describe,
 )
 from kvcompose.tree.model import (
+    DEFAULT_PREFILL_TOKENS_PER_S,
     NODE_KIND_ERROR,
     NODE_KINDS,
     TREE_KEY,
     Chain,
     Composite,
+    ExpectRead,
     Fanout,
     Leaf,
     Node,
@@ -37,6 +39,7 @@ from kvcompose.tree.transfer import child_transfer_config, inherited_fields, tra
 
 __all__ = [
     "DEFAULT_LOOKUP_TIMEOUT_S",
+    "DEFAULT_PREFILL_TOKENS_PER_S",
     "KNOWN_KV_TRANSFER_FIELDS",
     "NAME_PATTERN",
     "NODE_KINDS",
@@ -49,6 +52,7 @@ __all__ = [
     "Composite",
     "Document",
     "ErrorPolicy",
+    "ExpectRead",
     "Fanout",
     "Leaf",
     "Node",

@@ -53,6 +53,12 @@ from kvcompose.tree.fields import (
 )
 from kvcompose.tree.ranges import RangeMode, RangeSupport, range_support
 
+#: ``policy: fastest``'s priors until measured: a load's fixed cost and bandwidth, and the
+#: engine's prefill speed (a CPU engine's order of magnitude; a GPU's is 10-100x).
+DEFAULT_READ_LATENCY_MS = 1.0
+DEFAULT_READ_GBPS = 1.0
+DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
+
 #: Key under which a composite passes a validated subtree to a nested composite.
 TREE_KEY = "kvcompose_tree"
 
@@ -101,6 +107,18 @@ NodeName = Annotated[
         "overrides.",
     ),
 ]
+
+
+class ExpectRead(_Model):
+    """What a child's loads are expected to cost until ``policy: fastest`` has measured them:
+    ``latency_ms`` per load plus its bytes at ``gbps`` (GB/s, 10^9 bytes)."""
+
+    latency_ms: float = Field(
+        DEFAULT_READ_LATENCY_MS, ge=0, allow_inf_nan=False, description="Fixed cost of a load (ms)."
+    )
+    gbps: float = Field(
+        DEFAULT_READ_GBPS, gt=0, allow_inf_nan=False, description="Bandwidth of a load (GB/s)."
+    )
 
 
 class Leaf(_Node):
@@ -164,6 +182,13 @@ class Leaf(_Node):
         "(default: the block size; LMCacheConnectorV1: its chunk size, 256).",
     )
 
+    expect_read: ExpectRead | None = Field(
+        None,
+        description="For a `fastest` chain: what this connector's loads cost until they "
+        f"are measured (default: {DEFAULT_READ_LATENCY_MS} ms + {DEFAULT_READ_GBPS} GB/s). "
+        "Measured loads replace it within a few loads.",
+    )
+
     def range_support(self) -> RangeSupport:
         """How this leaf takes part in stitched loads (``kvcompose.tree.ranges``)."""
         return range_support(self.connector, self.load_range, self.load_range_alignment)
@@ -193,17 +218,30 @@ Children = Annotated[
 class Chain(_Node):
     """Ordered lookup. ``first``: the first child (in order) with a hit owns the load.
     ``longest``: the child with the most tokens owns it; ties go to the earlier child.
-    ``stitch``: each child in order loads the range after what the earlier ones cover."""
+    ``stitch``: each child in order loads the range after what the earlier ones cover.
+    ``fastest``: per request, the plan with the least predicted time to first token: recompute,
+    one child's load, or stitched segments with the rest recomputed, by measured costs."""
 
     kind: ClassVar[str] = "chain"
 
     name: NodeName = None
-    policy: Literal["first", "longest", "stitch"] = Field(
+    policy: Literal["first", "longest", "stitch", "fastest"] = Field(
         "first",
         description="`first`: the first child in order with a hit loads it. "
         "`longest`: the child with the longest hit loads it (ties go to the earlier child). "
         "`stitch`: children in order each load the range after what the earlier ones cover "
-        "(each as its `load_range` mode allows).",
+        "(each as its `load_range` mode allows). "
+        "`fastest`: per request, whichever of recomputing, one child's load or a stitch of "
+        "segments (the rest recomputed) has the least predicted time to first token, from "
+        "the children's measured load costs and the engine's measured prefill speed "
+        "(docs/concepts.md, 'Loading only what pays').",
+    )
+    expect_prefill_tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="For `fastest`: the engine's prefill speed (tokens/s) until it is measured "
+        f"(default: {DEFAULT_PREFILL_TOKENS_PER_S:g}).",
     )
     lookup_timeout_s: LookupTimeoutField = DEFAULT_LOOKUP_TIMEOUT_S
     save: SaveField = True

@@ -1,0 +1,199 @@
+"""What loads and prefill cost, measured, for ``policy: fastest`` (scheduler side).
+
+Three estimates, each from where it is seen:
+
+- **a child's load**: ``seconds = latency + tokens / rate``, fitted by exponentially weighted
+  least squares to the loads the worker half timed (``kvcompose.composite.worker_timing``),
+  starting from the leaf's ``expect_read`` prior (or the documented default) as if it were a
+  few loads already seen, so measurements replace it within a few loads;
+- **a child's queue**: the predicted time still left of its async loads in flight (a new load
+  waits behind them: loads on one child add up);
+- **the engine's prefill**: tokens per second over the engine's own steps, the tokens each
+  step scheduled over the time from its ``build_connector_meta`` to the next one's (the
+  scheduler side sees every step), counted for steps of at least ``MIN_PREFILL_STEP_TOKENS``.
+
+Simplifications, written down in docs/concepts.md: a step's time is all its tokens' (decodes
+and sync loads in it included); a sync load's stall of the other running requests is not
+charged to the plan that chose it; several async segments load in parallel.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvcompose import tree as nodes
+from kvcompose.tree.model import DEFAULT_READ_GBPS, DEFAULT_READ_LATENCY_MS
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+#: Weight of the newest load against the ones before (exponential forgetting).
+DECAY = 0.8
+#: The prior counts as this many loads already seen.
+PRIOR_WEIGHT = 2.0
+#: Steps with fewer scheduled tokens (decode-only) do not measure prefill speed.
+MIN_PREFILL_STEP_TOKENS = 32
+#: KV bytes per token when the model's shape cannot be read (a 1B model's order).
+FALLBACK_BYTES_PER_TOKEN = 32 * 1024
+
+
+def kv_bytes_per_token(vllm_config: VllmConfig) -> int:
+    """Bytes of KV one token takes (every layer, K and V), to turn a prior's GB/s into
+    tokens per second."""
+    try:
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        layers = model.get_num_layers(parallel)
+        heads = model.get_num_kv_heads(parallel)
+        size = model.get_head_size()
+        itemsize = model.dtype.itemsize
+        return max(1, 2 * layers * heads * size * itemsize)
+    except Exception:  # a config without a model shape (some tests): the documented default
+        return FALLBACK_BYTES_PER_TOKEN
+
+
+@dataclass
+class LoadCost:
+    """One child's ``seconds = latency + tokens / rate``, from a prior and timed loads."""
+
+    latency_s: float
+    tokens_per_s: float
+    measured: int = 0
+    # weighted sums of x = tokens, y = seconds (the prior seeded as PRIOR_WEIGHT loads)
+    _w: float = 0.0
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+
+    def __post_init__(self) -> None:
+        # the prior as two loads, of 1 and 1,000 tokens, on its line
+        for tokens in (1.0, 1000.0):
+            self._add(tokens, self.predict(int(tokens)), PRIOR_WEIGHT / 2)
+
+    def predict(self, tokens: int) -> float:
+        return self.latency_s + tokens / self.tokens_per_s
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        self.measured += 1
+        self._w, self._x, self._y = self._w * DECAY, self._x * DECAY, self._y * DECAY
+        self._xx, self._xy = self._xx * DECAY, self._xy * DECAY
+        self._add(float(tokens), seconds, 1.0)
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mean_x * mean_x
+        cov = self._xy / self._w - mean_x * mean_y
+        if var > 1e-9 and cov > 0:
+            slope = cov / var
+            self.latency_s = max(0.0, mean_y - slope * mean_x)
+            self.tokens_per_s = 1.0 / slope
+        else:  # loads of one size, or faster when larger (noise): the mean rate, no latency
+            self.latency_s = 0.0
+            self.tokens_per_s = mean_x / mean_y if mean_y > 0 else self.tokens_per_s * 2
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        self._w += w
+        self._x += w * x
+        self._y += w * y
+        self._xx += w * x * x
+        self._xy += w * x * y
+
+
+@dataclass
+class Expected:
+    """A load the scheduler side gave out and expects a time for."""
+
+    req_id: str
+    child: int
+    tokens: int
+    predicted_s: float
+    is_async: bool
+    since: float
+    step: int
+
+
+@dataclass
+class Costs:
+    """The estimates of one ``fastest`` node, and its loads awaiting their time."""
+
+    loads: list[LoadCost]
+    prefill_tokens_per_s: float
+    clock: Callable[[], float] = time.monotonic
+    expected: dict[tuple[str, int], Expected] = field(default_factory=dict)
+    prefill_measured: int = 0
+    steps: int = 0
+    _last_step: tuple[float, int] | None = None
+
+    @classmethod
+    def for_tree(cls, tree: nodes.Chain, vllm_config: VllmConfig) -> Costs:
+        bytes_per_token = kv_bytes_per_token(vllm_config)
+        loads = []
+        for child in tree.children:
+            prior = child.expect_read if isinstance(child, nodes.Leaf) else None
+            latency_ms = prior.latency_ms if prior else DEFAULT_READ_LATENCY_MS
+            gbps = prior.gbps if prior else DEFAULT_READ_GBPS
+            loads.append(LoadCost(latency_ms / 1000, gbps * 1e9 / bytes_per_token))
+        prefill = tree.expect_prefill_tokens_per_s or nodes.DEFAULT_PREFILL_TOKENS_PER_S
+        return cls(loads, prefill)
+
+    # ------------------------------------------------------------- predictions
+    def queue_s(self, child: int) -> float:
+        """The predicted time left of ``child``'s async loads in flight."""
+        now = self.clock()
+        return sum(
+            max(0.0, e.predicted_s - (now - e.since))
+            for e in self.expected.values()
+            if e.child == child and e.is_async
+        )
+
+    def compute_s(self, tokens: int) -> float:
+        return tokens / self.prefill_tokens_per_s
+
+    # ------------------------------------------------------------ bookkeeping
+    def expect(
+        self, req_id: str, child: int, tokens: int, predicted_s: float, is_async: bool
+    ) -> None:
+        self.expected[(req_id, child)] = Expected(
+            req_id, child, tokens, predicted_s, is_async, self.clock(), self.steps
+        )
+
+    def forget(self, req_id: str, *, in_flight_only: bool = False) -> None:
+        """The request's loads will not be timed (a 0 grant; a finish before an async load's
+        receive: a sync load's time still comes with its step's output)."""
+        for key in [k for k in self.expected if k[0] == req_id]:
+            if not in_flight_only or self.expected[key].is_async:
+                del self.expected[key]
+
+    def timed(self, times: Mapping[tuple[str, int], float]) -> list[tuple[Expected, float]]:
+        """The worker half's times of loads: each fits its child's estimate. Returns the
+        (expected, seconds) pairs for the decision log and metrics."""
+        done = []
+        for key, seconds in times.items():
+            expected = self.expected.pop(key, None)
+            if expected is not None:
+                self.loads[expected.child].observe(expected.tokens, seconds)
+                done.append((expected, seconds))
+        return done
+
+    def step(self, scheduled_tokens: int) -> None:
+        """A step was scheduled with ``scheduled_tokens``: the previous one's time is known."""
+        now = self.clock()
+        if self._last_step is not None:
+            since, tokens = self._last_step
+            elapsed = now - since
+            if tokens >= MIN_PREFILL_STEP_TOKENS and elapsed > 0:
+                # the first measurement halves the prior's weight, later ones move it by 1/5
+                alpha = 0.5 if not self.prefill_measured else 1 - DECAY
+                self.prefill_tokens_per_s += alpha * (tokens / elapsed - self.prefill_tokens_per_s)
+                self.prefill_measured += 1
+        self._last_step = (now, scheduled_tokens)
+        self.steps += 1
+        # a sync load's time came with its step's output, or never will (its child raised)
+        stale = [k for k, e in self.expected.items() if not e.is_async and e.step < self.steps - 1]
+        for key in stale:
+            del self.expected[key]

@@ -1,0 +1,149 @@
+"""``policy: fastest``: the plan for one request with the least predicted time to first token.
+
+Every child was asked at the local hit ``local`` and answered where its hit ends. The plans
+are what the children's range modes allow (``kvcompose.tree.ranges``), as a stitch walks
+them, but in any order and with any child left out:
+
+- recompute everything after ``local``;
+- one child loads its hit (any mode);
+- a stitch: segments one after the other from ``local``, each by a child that can start
+  where the previous one ends (its mode and alignment), a segment of a child that can be cut
+  short ending early so that another child can start on its alignment; the rest recomputed.
+
+A plan's predicted time (``kvcompose.composite.costs``): its sync segments one after the other,
+its async segments in parallel, each after its child's queue, then the prefill of what is
+left. The cheapest wins; ties go to the plan found first (recompute first), so loading must
+pay to be chosen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kvcompose.composite.costs import Costs
+from kvcompose.tree.ranges import RangeSupport
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A child's answer at ``local``: it holds the request's tokens up to ``end``."""
+
+    child: int
+    end: int
+    is_async: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """``child`` loads ``[start, end)``."""
+
+    child: int
+    start: int
+    end: int
+    is_async: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    parts: tuple[Part, ...]
+    predicted_s: float
+
+    @property
+    def kind(self) -> str:
+        return ("recompute", "load")[len(self.parts)] if len(self.parts) < 2 else "stitch"
+
+    def describe(self, names: Sequence[str]) -> str:
+        plan = " + ".join(f"{names[p.child]}[{p.start},{p.end})" for p in self.parts)
+        return f"{plan or 'recompute'} {self.predicted_s * 1000:.1f} ms"
+
+
+def predict(parts: Sequence[Part], num_tokens: int, local: int, costs: Costs) -> float:
+    """The plan's predicted time to first token (see the module docstring)."""
+    sync = 0.0
+    waits = 0.0
+    for p in parts:
+        load = costs.loads[p.child].predict(p.end - p.start)
+        if p.is_async:
+            waits = max(waits, costs.queue_s(p.child) + load)
+        else:
+            sync += load
+    end = parts[-1].end if parts else local
+    return sync + waits + costs.compute_s(num_tokens - end)
+
+
+def choose(
+    hits: Sequence[Hit],
+    local: int,
+    num_tokens: int,
+    supports: Sequence[RangeSupport],
+    block_size: int,
+    costs: Costs,
+) -> tuple[Choice, list[Choice]]:
+    """The cheapest plan, and every plan weighed (for the decision log)."""
+    weighed = [
+        Choice(parts, predict(parts, num_tokens, local, costs))
+        for parts in _plans(hits, local, supports, block_size)
+    ]
+    best = weighed[0]
+    for choice in weighed[1:]:
+        if choice.predicted_s < best.predicted_s:
+            best = choice
+    return best, weighed
+
+
+def _plans(
+    hits: Sequence[Hit], local: int, supports: Sequence[RangeSupport], block_size: int
+) -> Iterator[tuple[Part, ...]]:
+    """Every plan the range modes allow, recompute first (depth first after it)."""
+    by_child = {h.child: h for h in hits}
+
+    def extend(pos: int, parts: tuple[Part, ...]) -> Iterator[tuple[Part, ...]]:
+        yield parts
+        if parts and supports[parts[-1].child].mode in ("sole_owner", "last_segment"):
+            return  # it loads to its own end: nothing after it
+        used = {p.child for p in parts}
+        any_async = any(p.is_async for p in parts)
+        sync_only = any(supports[p.child].mode == "natural_end" for p in parts)
+        for hit in hits:
+            support = supports[hit.child]
+            mode = support.mode
+            if hit.child in used or hit.end <= pos:
+                continue
+            if mode == "sole_owner" and parts:
+                continue
+            if mode == "natural_end" and any_async:
+                continue
+            if hit.is_async and (sync_only or mode == "natural_end"):
+                continue
+            align = support.align or block_size
+            if pos % align or pos % block_size:
+                continue
+            for end in _ends(hit, pos, support, by_child, used, supports, block_size):
+                yield from extend(end, (*parts, Part(hit.child, pos, end, hit.is_async)))
+
+    yield from extend(local, ())
+
+
+def _ends(
+    hit: Hit,
+    pos: int,
+    support: RangeSupport,
+    by_child: dict[int, Hit],
+    used: set[int],
+    supports: Sequence[RangeSupport],
+    block_size: int,
+) -> list[int]:
+    """Where a segment of ``hit`` from ``pos`` may end: its hit's end, and, if it can be cut,
+    the last start another unused child could take after it (on that child's alignment)."""
+    ends = [hit.end]
+    if support.can_cut:
+        for other in by_child.values():
+            if other.child == hit.child or other.child in used or other.end <= hit.end:
+                continue
+            step = math.lcm(supports[other.child].align or block_size, block_size)
+            cut = hit.end // step * step
+            if pos < cut < hit.end and cut not in ends:
+                ends.append(cut)
+    return ends

@@ -1,0 +1,186 @@
+"""``policy: fastest`` on vLLM's real scheduler, with scripted children of known cost: the
+children's priors (``expect_read``) and the engine's (``expect_prefill_tokens_per_s``) set the
+costs, and an injected clock stands for time, so every decision is deterministic. The tests
+check the plan each request gets (who loads what, what vLLM is told), not timings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from stitch_helpers import allocs, lookups_at, native
+
+from kvcompose.composite.metadata import ComposedWorkerMeta
+from kvcompose.testing.scripted import Behaviour, script
+from kvcompose.testing.trees import chain, kvcompose_config, prompt
+
+FAST = {"latency_ms": 0.0, "gbps": 1000.0}  # far faster than computing
+SLOW = {"latency_ms": 1000.0, "gbps": 1000.0}  # a second a load: slower than computing 200
+
+
+class Clock:
+    """Time that moves only when a test moves it."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def fastest(*children: Any, prefill: float = 2000.0) -> dict[str, Any]:
+    tree = chain("root", *children, policy="fastest")
+    tree["expect_prefill_tokens_per_s"] = prefill
+    return kvcompose_config(tree)
+
+
+def frozen(h: Any) -> Clock:
+    """One clock for both halves, frozen: no step measures prefill, no load takes time."""
+    clock = Clock()
+    h.connector.scheduler_side.costs.clock = clock
+    h.worker_connector.worker_side.timer.clock = clock
+    return clock
+
+
+def counters(h: Any) -> dict[str, float]:
+    return h.connector.stats_totals()["counters"]
+
+
+def test_recompute_is_chosen_over_a_child_slower_than_computing(harness):
+    slow = script("slow", Behaviour(tokens=160))
+    h = harness(fastest(native("slow", expect_read=SLOW)))
+    frozen(h)
+    req = h.add_request(prompt(200, 1), max_tokens=2)
+    h.run_until_idle()
+    assert allocs(slow, req.request_id) == [0]
+    assert counters(h)["plans.recompute"] == 1
+    h.assert_clean()
+
+
+def test_the_fast_childs_prefix_is_loaded_and_the_rest_recomputed(harness):
+    """The issue's best plan, which no other policy can choose: fast holds the system prompt
+    (64), slow the whole conversation (199); slow is slower than computing."""
+    fast = script("fast", Behaviour(tokens=64))
+    slow = script("slow", Behaviour(tokens=200))
+    h = harness(fastest(native("fast", expect_read=FAST), native("slow", expect_read=SLOW)))
+    frozen(h)
+    req = h.add_request(prompt(200, 2), max_tokens=2)
+    h.run_until_idle()
+    assert allocs(fast, req.request_id) == [64]
+    assert allocs(slow, req.request_id) == [0]
+    assert counters(h)["plans.load"] == 1
+    h.assert_clean()
+
+
+def test_a_segment_is_cut_back_so_a_later_child_can_start_on_its_alignment(harness):
+    """fast holds 70, slow 160; slow reads faster than the engine computes, fast faster
+    still: fast loads [0, 64), slow [64, 160) (asked again at 64), the rest is computed."""
+    fast = script("fast", Behaviour(tokens=70))
+    slow = script("slow", Behaviour(tokens=160))
+    medium = {"latency_ms": 0.0, "gbps": 0.001}
+    h = harness(
+        fastest(native("fast", expect_read=FAST), native("slow", expect_read=medium), prefill=50)
+    )
+    frozen(h)
+    req = h.add_request(prompt(200, 3), max_tokens=2)
+    h.run_until_idle()
+    assert allocs(fast, req.request_id) == [64]
+    assert allocs(slow, req.request_id) == [96]
+    assert lookups_at(slow, req.request_id)[-1] == 64
+    assert counters(h)["plans.stitch"] == 1
+    h.assert_clean()
+
+
+def test_measured_loads_replace_the_prior(harness):
+    """a's prior says it is fast; its loads take 2 s each (the injected clock moves while
+    it loads): once measured, fastest recomputes instead. (A child is measured only when it
+    loads: a prior too slow is corrected only by setting it; docs/concepts.md.)"""
+    a = script("a", Behaviour(tokens=160))
+    h = harness(fastest(native("a", expect_read=FAST)), layer_calls=False)
+    clock = frozen(h)
+    child = h.worker_connector.worker_side.children.connectors[0]
+    loading = child.start_load_kv
+
+    def slow_load(*args: Any, **kwargs: Any) -> None:
+        if h.worker_connector.worker_side.timer.loads_sync(0):
+            clock.t += 2.0
+        loading(*args, **kwargs)
+
+    child.start_load_kv = slow_load
+    told = []
+    for seed in range(6):
+        req = h.add_request(prompt(200, 10 + seed), max_tokens=1)
+        h.run_until_idle()
+        told.append(allocs(a, req.request_id)[0])
+    estimate = h.connector.scheduler_side.costs.loads[0]
+    assert told[0] == 160 and told[-1] == 0, told
+    assert estimate.measured == told.count(160)
+    assert estimate.predict(160) > 200 / 2000  # now slower than computing the prompt
+    h.assert_clean()
+
+
+def test_loads_queued_on_one_child_send_later_requests_to_another(harness):
+    """Three requests looked up in one step, two async children: a (50 ms a load) and b
+    (80 ms). The second request would wait behind the first's load on a, so it goes to b;
+    the third to a again (100 ms behind a's queue beats 160 ms behind b's)."""
+    a = script("a", Behaviour(tokens=160, is_async=True, load_steps=3))
+    b = script("b", Behaviour(tokens=160, is_async=True, load_steps=3))
+    read = {"gbps": 1000.0}
+    h = harness(
+        fastest(
+            native("a", expect_read={"latency_ms": 50.0, **read}),
+            native("b", expect_read={"latency_ms": 80.0, **read}),
+            prefill=100,
+        )
+    )
+    frozen(h)
+    reqs = [h.add_request(prompt(200, 20 + i), max_tokens=1) for i in range(3)]
+    h.step()
+    owners = [
+        "a" if allocs(a, r.request_id)[:1] == [160] else "b" if allocs(b, r.request_id) else "-"
+        for r in reqs
+    ]
+    assert owners == ["a", "b", "a"]
+    h.run_until_idle()
+    assert not h.connector.scheduler_side.costs.expected  # every load was timed
+    h.assert_clean()
+
+
+def test_several_ranks_times_combine_to_the_slowest():
+    """A load is done when every rank has it: vLLM's aggregator keeps the slowest time."""
+    one = ComposedWorkerMeta((None,), {}, {("r", 0): 0.2, ("s", 1): 0.5})
+    two = ComposedWorkerMeta((None,), {}, {("r", 0): 0.3})
+    merged = one.aggregate(two)
+    assert merged.load_seconds == {("r", 0): 0.3, ("s", 1): 0.5}
+
+
+@pytest.mark.parametrize("policy", ["longest", "stitch"])
+def test_the_other_policies_load_the_slow_child_regardless(harness, policy):
+    """What fastest changes: longest and stitch load from a child however slow it is."""
+    slow = script("slow", Behaviour(tokens=160))
+    h = harness(kvcompose_config(chain("root", native("slow", expect_read=SLOW), policy=policy)))
+    req = h.add_request(prompt(200, 4), max_tokens=2)
+    h.run_until_idle()
+    assert allocs(slow, req.request_id) == [160]
+    h.assert_clean()
+
+
+def test_the_engines_prefill_speed_is_measured_from_its_steps():
+    """Each step's scheduled tokens over the time to the next step: a prefill step of 400
+    tokens that took 2 s moves the 2,000 tokens/s prior halfway to 200; decode steps (fewer
+    than MIN_PREFILL_STEP_TOKENS) measure nothing."""
+    from kvcompose.composite.costs import Costs, LoadCost
+
+    clock = Clock()
+    costs = Costs([LoadCost(0.001, 1e6)], 2000.0, clock)
+    costs.step(400)
+    clock.t += 2.0
+    costs.step(1)  # the 400-token step took 2 s
+    assert costs.prefill_tokens_per_s == pytest.approx(1100.0)
+    clock.t += 5.0
+    costs.step(400)  # a decode step (1 token) measures nothing
+    assert costs.prefill_measured == 1
+    for _ in range(30):
+        clock.t += 2.0
+        costs.step(400)
+    assert costs.prefill_tokens_per_s == pytest.approx(200.0, rel=0.01)
