@@ -215,6 +215,12 @@ BUILTIN_CONTENDERS: dict[str, tuple[str, str, str | None]] = {
         "kvcompose chain [fast, disk], policy stitch: fast loads its prefix, disk only the rest",
         _kvcompose_yaml("stitch"),
     ),
+    "kvcompose-fastest": (
+        "kvcompose",
+        "kvcompose chain [fast, disk], policy fastest: per request the plan with the least "
+        "predicted TTFT, from measured load and prefill costs",
+        _kvcompose_yaml("fastest"),
+    ),
 }
 
 DEFAULT_CONTENDERS = tuple(BUILTIN_CONTENDERS)

@@ -224,8 +224,9 @@ class ContenderResult(Record):
     timings: Timings | None = None
     agreement: Agreement | None = None
     live_requests_after: list[dict[str, Any]] | None = None
-    #: TTFT p50 of each round (seed and round, in run order).
+    #: TTFT p50 and p90 of each round (seed and round, in run order).
     ttft_p50_rounds: list[float] = Field(default_factory=list)
+    ttft_p90_rounds: list[float] = Field(default_factory=list)
     #: Recompute's TTFT p50 over this contender's, taken within each round; their median
     #: (``ttft_p50_speedup``) and range.
     speedup_rounds: list[float] = Field(default_factory=list)

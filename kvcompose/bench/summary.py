@@ -139,11 +139,12 @@ def compare_rounds(out: list[ContenderResult], reference: str | None) -> None:
     median and range; and which contenders are within noise of each other: those whose TTFT
     p50s over the rounds span overlapping ranges (with fewer than two rounds, no claim is
     made)."""
-    p50s = {e.label: _round_p50s(e.requests) for e in out}
+    p50s = {e.label: _round_percentiles(e.requests, 50) for e in out}
     ref = p50s.get(reference or "", {})
     for e in out:
         mine = p50s[e.label]
         e.ttft_p50_rounds = [round(v, 4) for v in mine.values()]
+        e.ttft_p90_rounds = [round(v, 4) for v in _round_percentiles(e.requests, 90).values()]
         ratios = [round(x, 3) for x in paired_ratios(ref, mine).ratios]
         if ratios:
             e.speedup_rounds = ratios
@@ -164,14 +165,14 @@ def compare_rounds(out: list[ContenderResult], reference: str | None) -> None:
             ]
 
 
-def _round_p50s(rows: list[RequestRow]) -> dict[tuple[int, int], float]:
-    """TTFT p50 per (seed, round), in run order."""
+def _round_percentiles(rows: list[RequestRow], q: float) -> dict[tuple[int, int], float]:
+    """TTFT percentile ``q`` per (seed, round), in run order."""
     by_round: dict[tuple[int, int], list[float]] = {}
     for r in rows:
         if r.ttft_s is not None:
             by_round.setdefault((r.seed, r.round), []).append(r.ttft_s)
     return {
-        k: p for k, v in sorted(by_round.items()) if (p := metrics.percentile(v, 50)) is not None
+        k: p for k, v in sorted(by_round.items()) if (p := metrics.percentile(v, q)) is not None
     }
 
 

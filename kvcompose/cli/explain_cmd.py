@@ -14,7 +14,16 @@ from kvcompose.config import Config, effective_saves, known
 from kvcompose.config.compile import PARAMS_PRODUCERS
 from kvcompose.config.render import MODULE_PATH, composite_class
 from kvcompose.config.vllm_checks import NAME_CHECKED
-from kvcompose.tree import Chain, Fanout, Leaf, Node, Route, RouteRule
+from kvcompose.tree import (
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    Chain,
+    ExpectRead,
+    Fanout,
+    Leaf,
+    Node,
+    Route,
+    RouteRule,
+)
 from kvcompose.tree.ranges import known_range_support
 
 
@@ -72,9 +81,18 @@ def _tree(
         for line in tier_lines(config.tree, node):
             branch.add(f"[dim]{escape(line)}[/dim]")
         return branch
-    stitching = isinstance(node, Chain) and node.policy == "stitch"
+    stitching = isinstance(node, Chain) and node.policy in ("stitch", "fastest")
+    fastest = isinstance(node, Chain) and node.policy == "fastest"
     for index, child in enumerate(node.children):
         sub = _tree(config, child, saves, _child_tag(node, child, index), branch)
+        if fastest:
+            prior = child.expect_read if isinstance(child, Leaf) else None
+            set_by = "expect_read" if prior else "the default"
+            prior = prior or ExpectRead()
+            sub.add(
+                f"[magenta]load cost until measured: {prior.latency_ms:g} ms + bytes at "
+                f"{prior.gbps:g} GB/s[/magenta] [dim]({set_by}; replaced by its timed loads)[/dim]"
+            )
         if stitching:
             support = (
                 child.range_support() if isinstance(child, Leaf) else known_range_support(None)
@@ -106,6 +124,11 @@ def _label(config: Config, node: Node, saves: dict[str, bool]) -> str:
             "longest": "asks every child; the longest hit loads (ties go to the earlier child)",
             "stitch": "asks children in order, each where the earlier ones end; every hit "
             "loads its own range",
+            "fastest": "asks every child; per request, the plan (recompute, one child's load, "
+            "or a stitch with the rest recomputed) with the least predicted time to first "
+            "token, from the children's measured load costs and the engine's measured prefill "
+            f"(until measured: {node.expect_prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S:g}"
+            " tokens/s)",
         }[node.policy]
         text = f"[bold]{name}[/bold]  chain, policy {node.policy}: {how}; {timeout}"
     elif isinstance(node, Fanout):

@@ -63,6 +63,10 @@ KNOWN_BUGS: frozenset[str] = frozenset()
 #: the generator steering around failing sync loads under async scheduling.
 
 
+def frozen_clock() -> float:
+    return 0.0
+
+
 class KVComposeMachine(Checks, RuleBasedStateMachine):
     """Rules that drive vLLM's scheduler; the invariants are ``Checks``' (see its docstring)."""
 
@@ -151,6 +155,10 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
             with_worker=True,
             layer_calls=True,
         )
+        if self.h.connector.scheduler_side.costs is not None:  # ``fastest``: frozen time
+            # (hypothesis replays an example exactly: its decisions must not read the clock)
+            self.h.connector.scheduler_side.costs.clock = frozen_clock
+            self.h.worker_connector.worker_side.timer.clock = frozen_clock
         STATS["examples"] += 1
         if fail_leaves:
             STATS["examples.on_error_fail"] += 1

@@ -67,6 +67,23 @@ def _stitch_nested(t: float) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def _fastest(t: float) -> dict[str, Any]:
+    """root = chain[fastest](a, b, c native, of different priors; d sole owner): plans of every
+    kind (recompute, one load, stitches with a cut) until the timed loads and steps move the
+    estimates."""
+    native = {"load_range": "native"}
+    tree = chain(
+        "root",
+        _leaf("a", expect_read={"latency_ms": 0.0, "gbps": 100.0}, **native),
+        _leaf("b", expect_read={"latency_ms": 30.0, "gbps": 1.0}, **native),
+        _leaf("c", expect_read={"latency_ms": 80.0, "gbps": 0.001}, **native),
+        _leaf("d"),
+        policy="fastest",
+        lookup_timeout_s=t,
+    )
+    return {**tree, "expect_prefill_tokens_per_s": 1000.0}
+
+
 def _route(t: float) -> dict[str, Any]:
     return {
         "kind": "route",
@@ -112,6 +129,7 @@ SHAPES: dict[str, Shape] = {
         Shape("nested", ("fast", "slow1", "slow2", "disk"), _nested, (None, {"fast": True})),
         Shape("chain-stitch", ("a", "b", "c", "d"), _stitch, aligned=True),
         Shape("stitch-nested", ("fast", "slow1", "slow2", "disk"), _stitch_nested, aligned=True),
+        Shape("chain-fastest", ("a", "b", "c", "d"), _fastest, aligned=True),
     )
 }
 
