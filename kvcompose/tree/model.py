@@ -185,8 +185,9 @@ class Leaf(_Node):
     expect_read: ExpectRead | None = Field(
         None,
         description="For a `fastest` chain: what this connector's loads cost until they "
-        f"are measured (default: {DEFAULT_READ_LATENCY_MS} ms + {DEFAULT_READ_GBPS} GB/s). "
-        "Measured loads replace it within a few loads.",
+        "are measured, `{latency_ms, gbps}`: a fixed cost per load (ms, >= 0) plus its bytes "
+        f"at a bandwidth (GB/s, > 0); default {DEFAULT_READ_LATENCY_MS:g} ms + "
+        f"{DEFAULT_READ_GBPS:g} GB/s. A few timed loads replace it.",
     )
 
     def range_support(self) -> RangeSupport:
