@@ -216,12 +216,21 @@ def test_min_tokens_and_stop_strings_equal_vllm(servers, proxy, case):
     [
         ("/v1/completions", {"max_tokens": 0}),
         ("/v1/chat/completions", {"max_completion_tokens": 0}),
+        ("/v1/completions", {"max_tokens": 2000}),
+        ("/v1/chat/completions", {"max_completion_tokens": 2000}),
         ("/v1/completions", {"max_tokens": 4, "temperature": "hot"}),
     ],
-    ids=["max_tokens-0", "chat-max_completion_tokens-0", "temperature-hot"],
+    ids=[
+        "max_tokens-0",
+        "chat-max_completion_tokens-0",
+        "max_tokens-over-context",
+        "chat-max_completion_tokens-over-context",
+        "temperature-hot",
+    ],
 )
 def test_refusals_equal_vllms(servers, proxy, path, extra):
-    """``max_tokens: 0`` (``SamplingParams._verify_args``) is the proxy's own 400, a bad
+    """``max_tokens: 0`` (``SamplingParams._verify_args``) and a limit above the context
+    (``TokenizeParams.__post_init__``) are the proxy's own 400s, a bad
     sampling field the proxy does not read is P's: either way the client gets vLLM's
     answer to the same request, and no hand-off is prepared."""
     url, _ = proxy
