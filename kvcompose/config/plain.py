@@ -42,17 +42,6 @@ def check_plain(
     ``ConfigError`` unless ``data`` is plain JSON data of bounded size and depth."""
     marks = marks or Marks()
     linemap = LineMap({prefix: marks.root} if marks.root else {})
-    # text shares by aliases, Python by references: the messages say which
-    shared = (
-        "YAML aliases expand this document by more than {:,} nodes (an alias bomb?)"
-        if marks.root
-        else "shared objects expand this config by more than {:,} nodes"
-    )
-    contains = (
-        "this alias refers to a node that contains it"
-        if marks.root
-        else "refers to a mapping or list that contains it"
-    )
     problems: list[ErrorItem] = []
     sizes: dict[int, int] = {}  # id(container) -> nodes it stands for, shared ones expanded
     active: set[int] = set()  # containers on the current path
@@ -94,12 +83,20 @@ def check_plain(
         key = id(value)
         if key in active:
             problem(
-                path, f"{contains} (a recursive structure cannot be written as JSON)", stop=True
+                path,
+                "refers to a mapping or list that contains it (a recursive structure cannot be "
+                "written as JSON)",
+                stop=True,
             )
         if key in sizes:
             aliased += sizes[key]
             if aliased > MAX_ALIAS_NODES:
-                problem(path, shared.format(MAX_ALIAS_NODES), stop=True)
+                problem(
+                    path,
+                    f"aliases or shared objects expand this config by more than "
+                    f"{MAX_ALIAS_NODES:,} nodes (an alias bomb?)",
+                    stop=True,
+                )
             return sizes[key]
         if depth > MAX_DEPTH:
             problem(path[: MAX_DEPTH // 4], f"nested more than {MAX_DEPTH} levels deep", stop=True)

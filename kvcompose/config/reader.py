@@ -63,9 +63,6 @@ class NotJson:
     def __init__(self, message: str) -> None:
         self.message = message
 
-    def __repr__(self) -> str:
-        return f"NotJson({self.message!r})"
-
 
 @dataclass
 class Marks:
