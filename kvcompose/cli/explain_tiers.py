@@ -8,9 +8,9 @@ Read through the store's own model (``PrefixStoreConfig``: its defaults, no vLLM
 
 from __future__ import annotations
 
+from kvcompose.stores.prefix.admission import AdmissionRule
 from kvcompose.stores.prefix.config import PrefixStoreConfig
 from kvcompose.tree import Leaf, Node
-from kvcompose.tree.conditions import describe_condition
 
 STORE_CONNECTORS = {"PrefixStoreConnector", "FaultyPrefixStoreConnector"}
 
@@ -48,19 +48,16 @@ def capacity_text(config: PrefixStoreConfig) -> str:
 def admission_text(config: PrefixStoreConfig) -> str:
     if config.read_only:
         return "admission: read-only (saves nothing)"
-    parts = []
-    if config.admit_min_prompt_tokens > 0:
-        parts.append(f"prompts >= {config.admit_min_prompt_tokens} tokens")
-    if config.admit_min_seen > 1:
-        parts.append(f"chunks seen >= {config.admit_min_seen} times")
-    if config.admit_when is not None:
-        parts.append(f"requests where {describe_condition(config.admit_when)}")
+    # the store's own rule, in its words; promotion has a line of its own
+    rule = AdmissionRule(
+        config.admit_min_prompt_tokens, config.admit_min_seen, False, config.admit_when
+    )
     how = (
         f"written by a background writer (queue {config.max_pending_saves} chunks, drops when full)"
         if config.save_mode == "background"
         else "written in the engine step"
     )
-    return "admission: " + (" and ".join(parts) if parts else "every save") + f"; {how}"
+    return f"admission: {rule.describe()}; {how}"
 
 
 def medium_text(config: PrefixStoreConfig) -> str:
