@@ -84,8 +84,8 @@ def read(text: str, json: bool = False) -> tuple[Any, Marks] | None:
         node = loader.get_single_node()
         if node is None:
             return None
-        loader.marks.root = node.start_mark.line + 1
-        return loader.construct_document(node), loader.marks
+        loader.doc_marks.root = node.start_mark.line + 1
+        return loader.construct_document(node), loader.doc_marks
     finally:
         loader.dispose()
 
@@ -116,7 +116,7 @@ class YamlLoader(_Base):  # type: ignore[misc]
 
     def __init__(self, text: str) -> None:
         super().__init__(text)
-        self.marks = Marks()
+        self.doc_marks = Marks()  # not "marks": PyYAML's own parser has a list of that name
         self._own: dict[int, int] = {}  # id(mapping node) -> pairs written in it (no merges)
 
     def flatten_mapping(self, node: yaml.MappingNode) -> None:
@@ -140,12 +140,12 @@ class YamlLoader(_Base):  # type: ignore[misc]
             line = key_node.start_mark.line + 1
             if index >= merged:
                 if key in own:
-                    self.marks.duplicates.setdefault(id(data), []).append((key, line, own[key]))
+                    self.doc_marks.duplicates.setdefault(id(data), []).append((key, line, own[key]))
                     continue
                 own[key] = line
             data[key] = self.construct_child(value_node, id(data), key)
             lines[key] = line
-        self.marks.lines[id(data)] = lines
+        self.doc_marks.lines[id(data)] = lines
 
     def construct_yaml_seq(self, node: yaml.Node) -> Any:
         _expect(node, yaml.SequenceNode)
@@ -155,7 +155,7 @@ class YamlLoader(_Base):  # type: ignore[misc]
         for index, child in enumerate(node.value):
             data.append(self.construct_child(child, id(data), index))
             lines[index] = child.start_mark.line + 1
-        self.marks.lines[id(data)] = lines
+        self.doc_marks.lines[id(data)] = lines
 
     def construct_child(self, node: yaml.Node, parent: int, key: Any) -> Any:
         """A mapping's value or a list's item: text at once (most of a config), anything
@@ -163,7 +163,7 @@ class YamlLoader(_Base):  # type: ignore[misc]
         if node.tag == _STR and type(node) is yaml.ScalarNode and self.text_ok(node):
             return node.value
         if _surprising(node):
-            self.marks.hints.setdefault(parent, {})[key] = node.value
+            self.doc_marks.hints.setdefault(parent, {})[key] = node.value
         return self.construct_object(node)
 
     def text_ok(self, node: yaml.ScalarNode) -> bool:

@@ -282,3 +282,34 @@ def test_json_numbers_are_json_numbers(tmp_path: Path) -> None:
     # flow-style YAML on standard input is YAML
     flow = b"{tree: {leaf: {connector: ExampleConnector}}}"
     assert cli("validate", "-", cwd=tmp_path, stdin=flow)[0] == 0
+
+
+def test_the_reader_without_libyaml(tmp_path: Path) -> None:
+    """PyYAML without libyaml (its own parser, slower) reads the same data and refuses the
+    same things with the same messages."""
+    (tmp_path / "dup.yaml").write_text(f"{LEAF}    engine_id: no\n    engine_id: b\n")
+    (tmp_path / "c.json").write_text('{"tree": {"leaf": {"connector": "X",}}}')
+    code = (
+        "import yaml\n"
+        "del yaml.CSafeLoader\n"
+        "from kvcompose.config import ConfigError, load_config\n"
+        "for name in ('dup.yaml', 'c.json'):\n"
+        "    try:\n"
+        "        load_config(name, env={}, check_vllm=False)\n"
+        "    except ConfigError as exc:\n"
+        "        print(exc)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.stdout.splitlines() == [
+        "dup.yaml:5: tree.leaf.engine_id: duplicate key 'engine_id' (first set on line 4)",
+        "c.json:1: JSON syntax error: a trailing comma is not JSON (column 36)",
+    ], proc.stderr[-2000:]
+    for name, line in zip(("dup.yaml", "c.json"), proc.stdout.splitlines(), strict=True):
+        assert load(str(tmp_path / name)) == f"{tmp_path}/{line}"  # what libyaml's reads say
