@@ -2,10 +2,10 @@
 
 Three estimates, each from where it is seen:
 
-- **a child's load**: ``seconds = latency + tokens / rate``, fitted by exponentially weighted
-  least squares to the loads the worker half timed (``kvcompose.composite.worker_timing``),
-  starting from the leaf's ``expect_read`` prior (or the documented default) as if it were a
-  few loads already seen, so measurements replace it within a few loads;
+- **a child's load**: ``seconds = latency + tokens / rate``: the leaf's ``expect_read`` prior
+  (or the documented default) until one of its loads is timed by the worker half
+  (``kvcompose.composite.worker_timing``), then fitted by exponentially weighted least squares
+  to the timed loads alone;
 - **a child's queue**: the predicted time still left of its async loads in flight (a new load
   waits behind them: loads on one child add up);
 - **the engine's prefill**: tokens per second over the engine's own steps, the tokens each
@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 
 #: Weight of the newest load against the ones before (exponential forgetting).
 DECAY = 0.8
-#: The prior counts as this many loads already seen.
-PRIOR_WEIGHT = 2.0
 #: Steps with fewer scheduled tokens (decode-only) do not measure prefill speed.
 MIN_PREFILL_STEP_TOKENS = 32
 #: KV bytes per token when the model's shape cannot be read (a 1B model's order).
@@ -58,22 +56,18 @@ def kv_bytes_per_token(vllm_config: VllmConfig) -> int:
 
 @dataclass
 class LoadCost:
-    """One child's ``seconds = latency + tokens / rate``, from a prior and timed loads."""
+    """One child's ``seconds = latency + tokens / rate``: the prior until a load is timed,
+    then fitted to the timed loads alone (the newest weighing most)."""
 
     latency_s: float
     tokens_per_s: float
     measured: int = 0
-    # weighted sums of x = tokens, y = seconds (the prior seeded as PRIOR_WEIGHT loads)
+    # weighted sums of x = tokens, y = seconds over the timed loads
     _w: float = 0.0
     _x: float = 0.0
     _y: float = 0.0
     _xx: float = 0.0
     _xy: float = 0.0
-
-    def __post_init__(self) -> None:
-        # the prior as two loads, of 1 and 1,000 tokens, on its line
-        for tokens in (1.0, 1000.0):
-            self._add(tokens, self.predict(int(tokens)), PRIOR_WEIGHT / 2)
 
     def predict(self, tokens: int) -> float:
         return self.latency_s + tokens / self.tokens_per_s
@@ -82,26 +76,23 @@ class LoadCost:
         if tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
         self.measured += 1
-        self._w, self._x, self._y = self._w * DECAY, self._x * DECAY, self._y * DECAY
-        self._xx, self._xy = self._xx * DECAY, self._xy * DECAY
-        self._add(float(tokens), seconds, 1.0)
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mean_x * mean_x
-        cov = self._xy / self._w - mean_x * mean_y
-        if var > 1e-9 and cov > 0:
-            slope = cov / var
-            self.latency_s = max(0.0, mean_y - slope * mean_x)
-            self.tokens_per_s = 1.0 / slope
-        else:  # loads of one size, or faster when larger (noise): the mean rate, no latency
-            self.latency_s = 0.0
-            self.tokens_per_s = mean_x / mean_y if mean_y > 0 else self.tokens_per_s * 2
-
-    def _add(self, x: float, y: float, w: float) -> None:
-        self._w += w
-        self._x += w * x
-        self._y += w * y
-        self._xx += w * x * x
-        self._xy += w * x * y
+        w = self._w = self._w * DECAY + 1.0
+        x, y = float(tokens), seconds
+        self._x = self._x * DECAY + x
+        self._y = self._y * DECAY + y
+        self._xx = self._xx * DECAY + x * x
+        self._xy = self._xy * DECAY + x * y
+        mean_x, mean_y = self._x / w, self._y / w
+        var = self._xx / w - mean_x * mean_x
+        cov = self._xy / w - mean_x * mean_y
+        if var > 1.0 and cov > 0 and mean_y - cov / var * mean_x >= 0:
+            self.tokens_per_s = var / cov
+            self.latency_s = mean_y - mean_x / self.tokens_per_s
+            return
+        # loads of one size (or noise): keep at most half the time as the prior's latency
+        self.latency_s = min(self.latency_s, mean_y / 2)
+        rest = mean_y - self.latency_s
+        self.tokens_per_s = mean_x / rest if rest > 0 else self.tokens_per_s * 2
 
 
 @dataclass
