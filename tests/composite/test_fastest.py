@@ -93,8 +93,9 @@ def test_a_segment_is_cut_back_so_a_later_child_can_start_on_its_alignment(harne
 
 def test_measured_loads_replace_the_prior(harness):
     """a's prior says it is fast; its loads take 2 s each (the injected clock moves while
-    it loads): from its first timed load on, fastest recomputes instead. (A child is measured only when it
-    loads: a prior too slow is corrected only by setting it; docs/concepts.md.)"""
+    it loads): from its first timed load on, fastest recomputes instead. (A child is
+    measured only when it loads: a prior too slow is corrected only by setting it;
+    docs/concepts.md.)"""
     a = script("a", Behaviour(tokens=160))
     h = harness(fastest(native("a", expect_read=FAST)), layer_calls=False)
     clock = frozen(h)
