@@ -1,7 +1,7 @@
 """Where the proxy rewrites a request (chat to token ids, stop strings, budgets), its answer
 is the one a single vLLM server gives, with and without a retry in between: scripted vLLM
 servers that follow vLLM's rules (kvcompose.testing.scripted_vllm); the same requests against
-real engines are in test_proxy_pd.py."""
+real engines are in test_proxy_engines.py."""
 
 from __future__ import annotations
 
