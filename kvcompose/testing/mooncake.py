@@ -526,6 +526,59 @@ def node_counters(llm: Any) -> dict[str, Any]:
     return dict(node_stats(llm)["counters"])
 
 
+#: What ``remove_all_after_next_hit`` did (engine process only).
+FAULTS: dict[str, Any] = {}
+
+
+def remove_all_after_next_hit(llm: Any, leaf: str, metadata_url: str, master_address: str) -> None:
+    """Fault injection: the next time the leaf named ``leaf`` (a ``MooncakeStoreConnector``)
+    answers a lookup with a hit, every object in the store is removed right then, from a
+    client of this process's own, before the worker loads the blocks (the scheduler waits
+    inside the lookup until the objects' leases allow it). It fires once; ``fault_report``
+    tells how many objects went."""
+    from mooncake.store import MooncakeDistributedStore
+
+    from kvcompose.engine.probe import scheduler_connector, walk_connectors
+
+    nodes = list(walk_connectors(scheduler_connector(llm)))
+    conn = next(n.connector for n in nodes if n.name == leaf)
+    store = MooncakeDistributedStore()
+    rc = store.setup("127.0.0.1", metadata_url, 0, 1 << 20, "tcp", "", master_address)
+    if rc != 0:
+        raise MooncakeError(f"the fault's store client did not start: {rc}")
+    lookup = conn.get_num_new_matched_tokens
+    FAULTS.clear()
+
+    def lookup_then_remove(request: Any, num_computed_tokens: int) -> Any:
+        hit = lookup(request, num_computed_tokens)
+        if hit[0] and not FAULTS:  # once
+            FAULTS["hit"] = hit[0]
+            # an object within its lease (just written or read) is kept: repeat until the
+            # lease ended and a pass finds nothing more
+            removed, t0 = 0, time.monotonic()
+            while time.monotonic() - t0 < 10:
+                n = max(store.remove_all(), 0)
+                removed += n
+                if removed and not n:
+                    break
+                time.sleep(0.05)
+            FAULTS["removed"] = removed
+            FAULTS["wait_s"] = round(time.monotonic() - t0, 2)
+            store.close()
+        return hit
+
+    conn.get_num_new_matched_tokens = lookup_then_remove
+    for node in nodes:  # kvcompose nodes cache their children's bound methods
+        side = getattr(node.connector, "scheduler_side", None)
+        if side is not None:
+            side.refresh_child_methods()
+
+
+def fault_report(llm: Any) -> dict[str, Any]:
+    """What ``remove_all_after_next_hit`` did: the hit it answered, the objects removed."""
+    return dict(FAULTS)
+
+
 def _main(argv: list[str] | None = None) -> int:
     import argparse
 

@@ -23,7 +23,13 @@ from typing import Any
 import pytest
 
 from kvcompose.engine.process import EngineProcess
-from kvcompose.testing.mooncake import MooncakeCluster, node_counters, store_operations
+from kvcompose.testing.mooncake import (
+    MooncakeCluster,
+    fault_report,
+    node_counters,
+    remove_all_after_next_hit,
+    store_operations,
+)
 from kvcompose.testing.trees import chain, kvcompose_config, prefix_store_leaf, prompt
 
 pytestmark = [pytest.mark.engine, pytest.mark.fleet, pytest.mark.timeout(600)]
@@ -35,6 +41,7 @@ LLM_KWARGS = {"block_size": BLOCK, "enable_prefix_caching": False, "max_model_le
 PROMPTS = {name: prompt(n, seed) for name, n, seed in [
     ("p1", 200, 11), ("p2", 256, 12), ("p3", 256, 13), ("p4", 256, 14),
     ("p5", 256, 15), ("p6", 256, 16), ("neg", 256, 17),
+    ("gone", 256, 18),
 ]}  # fmt: skip
 #: the requests in flight when the master is killed, and how many tokens they decode
 IN_FLIGHT, LONG = ("p5", "p6"), 64
@@ -183,6 +190,32 @@ def test_negative_control_corrupted_shared_blocks_change_the_output(
     hits = diff(b.call(node_counters), before)
     assert hits.get("hit_tokens.shared") == FULL, hits
     assert out != reference["neg"], "B's output ignored the KV it loaded from Mooncake"
+
+
+def test_blocks_removed_between_lookup_and_load_are_recomputed(engines, empty_store, reference):
+    """A's lookup finds B's 7 blocks in the shared tier; every object is removed before A's
+    worker loads them. The load fails, vLLM recomputes (``kv_load_failure_policy:
+    recompute``), and the output is recompute's."""
+    cluster = empty_store
+    a, b = engines["a"], engines["b"]
+    assert run(b, "gone") == reference["gone"]
+    assert wait_keys(cluster, SAVED) == SAVED
+    a.call(remove_all_after_next_hit, "shared", cluster.metadata_url, cluster.master_address)
+    before, ops_before = a.call(node_counters), a.call(store_operations)
+    assert run(a, "gone") == reference["gone"]
+    report = a.call(fault_report)
+    hits = diff(a.call(node_counters), before)
+    ops = {
+        op: diff(v, ops_before.get(op, {}))
+        for op, v in a.call(store_operations).items()
+        if diff(v, ops_before.get(op, {}))
+    }
+    print(f"\nremoved after the lookup: {report}; A's counters {hits}; Mooncake ops {ops}")
+    assert (report["hit"], report["removed"]) == (FULL, SAVED)
+    assert hits.get("hit_tokens.shared") == FULL  # the lookup's hit, which then failed
+    loads = {op: v for op, v in ops.items() if op.startswith("load")}
+    assert loads and not any(op.endswith("/ok") for op in loads), loads  # the load failed
+    assert ops.get("save_put/ok", {}).get("keys") == SAVED  # recomputed, then saved again
 
 
 def test_master_killed_mid_run_requests_finish_and_hits_come_back(engines, empty_store, reference):
