@@ -72,7 +72,15 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+        # no access log: its line per client request carries no request id (the proxy's own
+        # ``req=<id> attempt=<k>`` lines say what happened to each request)
+        uvicorn.run(
+            create_app(config),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,
+        )
     except SystemExit as exc:  # uvicorn's own exit when the server cannot start
         if exc.code in (0, None):
             return 0
