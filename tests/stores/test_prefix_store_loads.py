@@ -252,8 +252,13 @@ def test_emulate_read_config_is_checked(tmp_path):
     )
     assert cfg.emulate_read is not None
     assert cfg.emulate_read.min_seconds(4 * 10**9) == pytest.approx(2.005)
-    for bad in ({"latency_ms": -1}, {"gbps": 0}, {"latency_ms": "5"}, {"lat": 5}, 5):
+    for bad, message in (
+        ({"latency_ms": -1}, "emulate_read.latency_ms: must be >= 0.0, got -1"),
+        ({"gbps": 0}, "emulate_read.gbps: must be > 0.0, got 0"),
+        ({"latency_ms": "5"}, "emulate_read.latency_ms: expected a number, got a string ('5')"),
+        ({"lat": 5}, "emulate_read.lat: unknown key 'lat' (allowed: latency_ms, gbps)"),
+        (5, "emulate_read: expected a mapping, got an integer (5)"),
+    ):
         with pytest.raises(ValueError) as info:
             PrefixStoreConfig.from_extra_config({"path": str(tmp_path), "emulate_read": bad})
-        text = str(info.value)
-        assert "emulate_read must be a mapping" in text and "\n" not in text, text
+        assert str(info.value) == f"PrefixStoreConnector: {message}"
