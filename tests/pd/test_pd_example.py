@@ -1,7 +1,7 @@
 """examples/pd: the two configs load and render for vLLM, and the proxy as the example
 configures it (proxy.yaml, what serve.sh starts) does the P/D hand-off, checked against
-scripted vLLM servers (kvcompose.testing.scripted_vllm); real engines behind the proxy are
-tests/proxy/test_proxy_pd.py."""
+scripted vLLM servers (kvcompose.testing.scripted_vllm); real engines behind the proxy (two
+P and two D with these trees) are tests/proxy/test_proxy_engines.py."""
 
 from __future__ import annotations
 
