@@ -82,7 +82,8 @@ def test_lmcache_whole_prompt_hit_leaves_the_last_token(harness: Callable[..., A
     request = served(h, prompt)
     assert ("lookup", request, 0, 191) in lmc.events
     assert ("alloc", request, 191) in lmc.events  # not what it holds: the check is skipped
-    # it retrieves its whole hit (L897-903); vLLM computes the last token over it
+    # it retrieves its whole hit (LMCacheConnectorV1Impl.start_load_kv); vLLM computes the
+    # last token over it
     assert ("load", request, 192) in lmc.events
 
 

