@@ -4,9 +4,9 @@
 
 is ``kvcompose bench --out benchmarks/results/default`` (the built-in CPU model, the chat
 workload, contenders recompute / disk / multiconnector / kvcompose-first / kvcompose-longest /
-kvcompose-stitch), followed by the goals of this benchmark (``goals.py``). ``results.json``,
-``results.csv`` and ``summary.png`` are committed; the rest of the output directory is
-ignored (``benchmarks/.gitignore``).
+kvcompose-stitch / kvcompose-fastest), followed by the goals of this benchmark
+(``goals.py``). ``results.json``, ``results.csv`` and ``summary.png`` are committed; the rest
+of the output directory is ignored (``benchmarks/.gitignore``).
 """
 
 from __future__ import annotations
