@@ -45,14 +45,15 @@ class Part:
     is_async: bool
 
 
+def kind_of(segments: int) -> str:
+    """A plan's kind by its number of segments (the ``plans.<kind>`` counters)."""
+    return ("recompute", "load", "stitch")[min(segments, 2)]
+
+
 @dataclass(frozen=True, slots=True)
 class Choice:
     parts: tuple[Part, ...]
     predicted_s: float
-
-    @property
-    def kind(self) -> str:
-        return ("recompute", "load")[len(self.parts)] if len(self.parts) < 2 else "stitch"
 
     def describe(self, names: Sequence[str]) -> str:
         plan = " + ".join(f"{names[p.child]}[{p.start},{p.end})" for p in self.parts)

@@ -315,7 +315,7 @@ class Lookup:
             plan.append(
                 Segment(part.child, part.start, part.end, is_async, support.mode, support.can_cut)
             )
-        self.counters.inc(f"plans.{fastest.Choice(tuple(plan), 0).kind}")
+        self.counters.inc(f"plans.{fastest.kind_of(len(plan))}")
         return tuple(plan)
 
     def decide(self, request: Request, local: int, record: LoadRecord | None) -> Answer:
