@@ -13,7 +13,8 @@ stitch uses it):
   any segment, and can be cut short (``n`` smaller than its hit). kvcompose's
   ``PrefixStoreConnector``; vLLM's ``OffloadingConnector`` searches from chunk ``a // chunk``
   (``OffloadingConnectorScheduler._lookup_complete_chunks``) and loads by absolute
-  position, async.
+  position, async; vLLM's ``MooncakeStoreConnector`` too (tests/fleet). Neither can be cut:
+  each asserts it is told what it offered.
 - ``last_segment``: loads from its lookup argument to its own end and cannot be cut, so only
   as the last segment; it is handed a block view that starts at the segment's first block.
   vLLM's ``NixlConnector`` (decode side, pull) loads
@@ -67,6 +68,13 @@ _KNOWN: dict[str, RangeSupport] = {
         False,
         "searches from chunk a // chunk and loads by absolute position (async); "
         "a cut below its hit trips its partial-tail assert",
+    ),
+    "MooncakeStoreConnector": RangeSupport(
+        "native",
+        None,
+        False,
+        "looked up at a, loads its hit after a by absolute block position; asserts it is "
+        "told exactly what it offered, so it cannot be cut",
     ),
     "NixlConnector": RangeSupport(
         "last_segment",
