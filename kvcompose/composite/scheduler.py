@@ -1,16 +1,17 @@
 """The scheduler half of a composite node: who loads each request, and when it is done.
 
-It holds the node's lookup policy, the load ledger and the finish records
-(``kvcompose.composite.ledger``), and what one step hands to the worker half: the async loads
-given out (owner per request), the sync loads (owner and blocks), and the requests whose
-free waits for children's sends (``CompositeMetadata``). What each child is shown of a step's
-output is ``kvcompose.composite.output_routing``'s job; a stitched load's is
-``kvcompose.composite.stitch``'s.
+It holds the node's one lookup rule (``kvcompose.composite.lookup.Lookup``, with ``fastest``'s
+costs), the load ledger and the finish records (``kvcompose.composite.ledger``), and what one
+step hands to the worker half: the async loads given out (owner per request), the sync loads
+(owner and blocks), and the requests whose free waits for children's sends
+(``CompositeMetadata``). What each child is shown of a step's output is
+``kvcompose.composite.output_routing``'s job; a stitched load's allocation, rounds and
+recovery are ``kvcompose.composite.stitch.StitchPlanner``'s.
 
 vLLM's scheduler calls ``get_num_new_matched_tokens`` for every waiting request every step,
 and ``update_state_after_alloc`` / ``request_finished`` once or twice per request: those paths
 call the children through bound methods cached by ``refresh_child_methods`` and check the
-common well-formed answers inline.
+common well-formed answers inline (the lookup's in ``Lookup.answer``).
 """
 
 from __future__ import annotations
