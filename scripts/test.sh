@@ -9,6 +9,9 @@
 #            not marked engine/pd/slow (the 0.33 wheel cannot run an engine on CPU), on two
 #            pytest-xdist workers
 #   KVCOMPOSE_TEST_WORKERS=N sets the worker count (default 2; 0 runs in this process)
+#   KVCOMPOSE_ENGINE_WORKERS=N runs the engine and P/D tests on N workers too, a module per
+#   worker (default 0, one at a time: 871 s serial against 694 s on two workers on a fresh
+#   clone on 2 cores, 2026-12-02; kept serial in CI, where one flaky timing costs a run)
 #
 # Usage: scripts/test.sh [pytest args...]
 #   scripts/test.sh                                 everything
@@ -93,8 +96,15 @@ echo "[test] phase 1a: -m \"$P1A_EXPR\"${XDIST:+, $WORKERS workers}"
 run_phase "phase 1a" .venv/bin/python "$P1A_EXPR" --durations=10 "${XDIST[@]}"
 RC1A=$RC
 P1B_EXPR=$(with_mark "engine or pd")
-echo "[test] phase 1b: -m \"$P1B_EXPR\", one at a time"
-run_phase "phase 1b" .venv/bin/python "$P1B_EXPR" --durations=15
+ENGINE_WORKERS="${KVCOMPOSE_ENGINE_WORKERS:-0}"
+ENGINE_XDIST=()
+HOW="one at a time"
+if [[ "$ENGINE_WORKERS" != 0 ]]; then
+  ENGINE_XDIST=(-n "$ENGINE_WORKERS" --dist loadfile)
+  HOW="$ENGINE_WORKERS workers, a module each"
+fi
+echo "[test] phase 1b: -m \"$P1B_EXPR\", $HOW"
+run_phase "phase 1b" .venv/bin/python "$P1B_EXPR" --durations=15 "${ENGINE_XDIST[@]}"
 RC1=$((RC1A > RC ? RC1A : RC))
 D1=$((SECONDS - T1))
 
