@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from polling import eventually
 from proxy_sse import stream
 
 from kvcompose.proxy.backends import BackendPool, check_all
@@ -129,24 +130,15 @@ def test_prompt_token_ids_where_vllm_puts_them(bed, streamed):
     assert sum("prompt_token_ids" in ch for e in cmpl_events for ch in e["choices"]) == 1
 
 
-def _wait(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_health_checks_take_a_backend_out_and_put_it_back(bed):
     for d in bed.decode:
         d.healthy = False
     with bed.client() as c:
-        assert _wait(lambda: c.get("/health").status_code == 503)
+        assert eventually(lambda: c.get("/health").status_code == 503)
         down = c.get("/health").json()["down"]["decode"]
         assert sorted(down) == sorted([bed.urls["d1"], bed.urls["d2"]])
         bed.decode[1].healthy = True
-        assert _wait(lambda: c.get("/health").status_code == 200)
+        assert eventually(lambda: c.get("/health").status_code == 200)
         out = stream(c, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
     assert out.text == detok(reference(tokenize(PROMPT), 4))
     assert bed.decode[1].requests and not bed.decode[0].requests
@@ -184,7 +176,7 @@ def test_client_disconnect_mid_stream_aborts_on_decode(bed):
             for line in resp.iter_lines():
                 if line.startswith("data: ") and '"text"' in line:
                     break  # one token came: leave
-        assert _wait(lambda: bed.decode[0].aborted), "D kept generating for a client gone"
+        assert eventually(lambda: bed.decode[0].aborted), "D kept generating for a client gone"
     finally:
         bed.decode[0].token_delay = 0.002
     assert not bed.fabric.held
@@ -198,7 +190,7 @@ def test_client_leaving_during_the_prefill_aborts_it(bed, streamed):
     body = {"model": MODEL, "prompt": tokenize(PROMPT), "max_tokens": 5, "stream": streamed}
     with bed.client(timeout=0.3) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/completions", json=body)
-    assert _wait(lambda: bed.prefill[0].aborted), "P kept prefilling for a client gone"
+    assert eventually(lambda: bed.prefill[0].aborted), "P kept prefilling for a client gone"
     time.sleep(1.0)  # P's delay is over: had it not been aborted, it would hold the blocks
     assert not bed.fabric.held
     assert not [r for s in bed.decode for r in s.requests]  # D never saw it, no release
@@ -215,7 +207,7 @@ def test_client_leaving_once_p_answers_releases_the_handoff(bed):
     body = {"model": MODEL, "prompt": tokenize(PROMPT), "max_tokens": 5, "stream": True}
     with bed.client(timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/completions", json=body)
-    assert _wait(lambda: bed.fabric.released), "P still holds the hand-off"
+    assert eventually(lambda: bed.fabric.released), "P still holds the hand-off"
     assert not bed.fabric.held and not bed.prefill[0].aborted
     decode = [r for s in bed.decode for r in s.requests]
     assert [bool(r.get("use_beam_search")) for r in decode] == [True]  # the release only

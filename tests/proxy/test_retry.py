@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from polling import eventually
 from proxy_sse import stream
 
 from kvcompose.proxy import ProxyConfig, create_app
@@ -236,15 +237,4 @@ def test_decode_refusing_the_request_releases_the_handoff(bed):
     with bed.client() as c:
         resp = c.post("/v1/completions", json={"model": MODEL, "prompt": IDS, "max_tokens": 4})
     assert resp.status_code == 400 and "scripted HTTP 400" in resp.json()["error"]["message"]
-    assert _wait(lambda: bed.fabric.released) and not bed.fabric.held
-
-
-def _wait(predicate, timeout: float = 5.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+    assert eventually(lambda: bed.fabric.released) and not bed.fabric.held

@@ -9,6 +9,7 @@ import logging
 import re
 
 import pytest
+from polling import eventually
 from proxy_sse import stream
 
 from kvcompose.testing.scripted_vllm import MODEL, Fault, chat_ids, detok, reference, tokenize
@@ -173,19 +174,8 @@ def test_every_log_line_names_the_request_and_the_attempt(bed, caplog):
         out = stream(c, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4},
                      headers={"X-Request-Id": "logged"})  # fmt: skip
         assert out.done and not out.errors
-    assert _wait_for(lambda: any("released" in r.getMessage() for r in caplog.records))
+    assert eventually(lambda: any("released" in r.getMessage() for r in caplog.records))
     mine = [r.getMessage() for r in caplog.records if r.name == "kvcompose.proxy"]
     assert any("decode_error" in m for m in mine)
     assert all(re.match(r"req=logged attempt=\d ", m) for m in mine), mine
     assert not [r for r in caplog.records if r.name.startswith("httpx")]
-
-
-def _wait_for(predicate, timeout: float = 5.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
