@@ -363,18 +363,10 @@ class MooncakeCluster:
 
     def clear(self, timeout: float = 60.0) -> int:
         """Remove every stored object; returns how many were removed. ``remove_all`` runs
-        in a child process (it needs the shim at start) with no segment of its own, and is
-        repeated until the master lists no key: an object read within its lease
-        (``lease_ttl_ms``) is kept by the master until the lease ends."""
-        code = (
-            "import sys, time, urllib.request\n"
-            "from mooncake.store import MooncakeDistributedStore\n"
-            "s = MooncakeDistributedStore()\n"
-            f"rc = s.setup('127.0.0.1', {self.metadata_url!r}, 0, 1 << 20, 'tcp', '', "
-            f"{self.master_address!r})\n"
-            "if rc != 0: sys.exit(f'setup failed: {rc}')\n"
-            f"url, deadline = 'http://127.0.0.1:{self.admin_port}/get_all_keys', "
-            f"time.monotonic() + {timeout}\n"
+        with no segment of its own, and is repeated until the master lists no key: an object
+        read within its lease (``lease_ttl_ms``) is kept by the master until the lease ends."""
+        body = (
+            f"deadline = time.monotonic() + {timeout}\n"
             "removed = 0\n"
             "while True:\n"
             "    n = s.remove_all()\n"
@@ -385,18 +377,7 @@ class MooncakeCluster:
             "    time.sleep(0.2)\n"
             "print('removed', removed)\n"
         )
-        out = subprocess.run(
-            [sys.executable, "-c", code],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout + 30,
-            check=False,
-        )
-        removed = [ln for ln in out.stdout.splitlines() if ln.startswith("removed ")]
-        if out.returncode != 0 or not removed:
-            raise MooncakeError(f"remove_all failed ({out.returncode}):\n{out.stderr[-3000:]}")
-        return int(removed[-1].split()[1])
+        return self._store_script("removed", body, 1 << 20, timeout + 30)
 
     def corrupt(self, timeout: float = 60.0) -> int:
         """Overwrite every stored object with noise of its size (a negative control: an
@@ -408,16 +389,9 @@ class MooncakeCluster:
         likely cause is NaNs left in the freed KV blocks, read again through a reused
         block's unused slots. With finite noise every later request matched.
         """
-        code = (
-            "import sys, urllib.request\n"
+        body = (
             "import numpy as np\n"
-            "from mooncake.store import MooncakeDistributedStore\n"
             "rng = np.random.default_rng(0)\n"
-            "s = MooncakeDistributedStore()\n"
-            f"rc = s.setup('127.0.0.1', {self.metadata_url!r}, 0, 16 << 20, 'tcp', '', "
-            f"{self.master_address!r})\n"
-            "if rc != 0: sys.exit(f'setup failed: {rc}')\n"
-            f"url = 'http://127.0.0.1:{self.admin_port}/get_all_keys'\n"
             "keys = urllib.request.urlopen(url, timeout=5).read().decode().split()\n"
             "for key in keys:\n"
             "    size = s.get_size(key)\n"
@@ -425,6 +399,21 @@ class MooncakeCluster:
             "    if size <= 0 or s.upsert(key, noise) != 0: sys.exit(f'{key}: {size}')\n"
             "print('corrupted', len(keys))\n"
         )
+        return self._store_script("corrupted", body, 16 << 20, timeout)
+
+    def _store_script(self, done: str, body: str, segment_bytes: int, timeout: float) -> int:
+        """Run ``body`` in a child process (the store client needs the libibverbs shim at
+        start) with ``s``, a store client of the cluster, and ``url``, the master's key
+        listing; it prints ``<done> N``, and N is returned."""
+        code = (
+            "import sys, time, urllib.request\n"
+            "from mooncake.store import MooncakeDistributedStore\n"
+            "s = MooncakeDistributedStore()\n"
+            f"rc = s.setup('127.0.0.1', {self.metadata_url!r}, 0, {segment_bytes}, 'tcp', '', "
+            f"{self.master_address!r})\n"
+            "if rc != 0: sys.exit(f'setup failed: {rc}')\n"
+            f"url = 'http://127.0.0.1:{self.admin_port}/get_all_keys'\n"
+        ) + body
         out = subprocess.run(
             [sys.executable, "-c", code],
             env=self.env,
@@ -433,10 +422,10 @@ class MooncakeCluster:
             timeout=timeout,
             check=False,
         )
-        done = [ln for ln in out.stdout.splitlines() if ln.startswith("corrupted ")]
-        if out.returncode != 0 or not done:
-            raise MooncakeError(f"corrupt failed ({out.returncode}):\n{out.stderr[-3000:]}")
-        return int(done[-1].split()[1])
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith(f"{done} ")]
+        if out.returncode != 0 or not lines:
+            raise MooncakeError(f"{done}: failed ({out.returncode}):\n{out.stderr[-3000:]}")
+        return int(lines[-1].split()[1])
 
     # ------------------------------------------------------------------ engines
 
