@@ -87,7 +87,7 @@ def _tree(
         sub = _tree(config, child, saves, _child_tag(node, child, index), branch)
         if fastest:
             prior = child.expect_read if isinstance(child, Leaf) else None
-            set_by = "expect_read" if prior else "the default"
+            set_by = "expect_read" if prior else "the default, one load at a time"
             prior = prior or ExpectRead()
             sub.add(
                 f"[magenta]load cost until measured: {prior.latency_ms:g} ms + bytes at "

@@ -8,6 +8,9 @@ Three estimates, each from where it is seen:
   to the timed loads alone;
 - **a child's queue**: the predicted time still left of its async loads in flight (a new load
   waits behind them: loads on one child add up);
+- **a cold child** (no ``expect_read`` and none of its loads timed yet) takes one load at a
+  time: its default prior is a guess, and a guess wrong by 100x would otherwise send every
+  request looked up before the first time comes back to it (``Costs.usable``);
 - **the engine's prefill**: tokens per second over the engine's own steps, the tokens each
   step scheduled over the time from its ``build_connector_meta`` to the next one's (the
   scheduler side sees every step), counted for steps of at least ``MIN_PREFILL_STEP_TOKENS``.
@@ -62,6 +65,8 @@ class LoadCost:
     latency_s: float
     tokens_per_s: float
     measured: int = 0
+    #: the prior was set (``expect_read``), not the documented default
+    prior_given: bool = False
     # weighted sums of x = tokens, y = seconds over the timed loads
     _w: float = 0.0
     _x: float = 0.0
@@ -128,7 +133,9 @@ class Costs:
             prior = child.expect_read if isinstance(child, nodes.Leaf) else None
             latency_ms = prior.latency_ms if prior else DEFAULT_READ_LATENCY_MS
             gbps = prior.gbps if prior else DEFAULT_READ_GBPS
-            loads.append(LoadCost(latency_ms / 1000, gbps * 1e9 / bytes_per_token))
+            loads.append(
+                LoadCost(latency_ms / 1000, gbps * 1e9 / bytes_per_token, prior_given=bool(prior))
+            )
         prefill = tree.expect_prefill_tokens_per_s or nodes.DEFAULT_PREFILL_TOKENS_PER_S
         return cls(loads, prefill)
 
@@ -141,6 +148,14 @@ class Costs:
             for e in self.expected.values()
             if e.child == child and e.is_async
         )
+
+    def usable(self, child: int, req_id: str) -> bool:
+        """Whether ``req_id``'s plans may load from ``child``: any child with a prior set or
+        a load timed; a cold one only while no other request's load on it awaits its time."""
+        load = self.loads[child]
+        if load.measured or load.prior_given:
+            return True
+        return not any(e.child == child and e.req_id != req_id for e in self.expected.values())
 
     def compute_s(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s

@@ -13,7 +13,8 @@ them, but in any order and with any child left out:
 A plan's predicted time (``kvcompose.composite.costs``): its sync segments one after the other,
 its async segments in parallel, each after its child's queue, then the prefill of what is
 left. The cheapest wins; ties go to the plan found first (recompute first), so loading must
-pay to be chosen.
+pay to be chosen. A cold child with another request's load awaiting its time is left out
+(``Costs.usable``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def predict(parts: Sequence[Part], num_tokens: int, local: int, costs: Costs) ->
 
 
 def choose(
+    req_id: str,
     hits: Sequence[Hit],
     local: int,
     num_tokens: int,
@@ -83,6 +85,7 @@ def choose(
     costs: Costs,
 ) -> tuple[Choice, list[Choice]]:
     """The cheapest plan, and every plan weighed (for the decision log)."""
+    hits = [h for h in hits if costs.usable(h.child, req_id)]
     weighed = [
         Choice(parts, predict(parts, num_tokens, local, costs))
         for parts in _plans(hits, local, supports, block_size)

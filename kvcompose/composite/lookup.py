@@ -290,7 +290,13 @@ class Lookup:
         costs = self.costs
         assert costs is not None
         choice, weighed = fastest.choose(
-            hits, local, request.num_tokens, self.range_supports, self.block_size, costs
+            request.request_id,
+            hits,
+            local,
+            request.num_tokens,
+            self.range_supports,
+            self.block_size,
+            costs,
         )
         if trace is not None:
             names = self.children.names
