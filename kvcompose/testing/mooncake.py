@@ -486,7 +486,8 @@ class MooncakeCluster:
 
 def store_operations(llm: Any) -> dict[str, dict[str, float]]:
     """The engine's Mooncake operations so far: ``{"<operation>/<status>": {"calls": n,
-    "keys": k, "bytes": b}}`` from vLLM's ``vllm:mooncake_store_operation*`` counters
+    "keys": k, "bytes": b, "failed_keys": f, "seconds": s}}`` from vLLM's
+    ``vllm:mooncake_store_operation*`` counters and the sum of its operation-time histogram
     (operations such as ``load_get``, ``save_put``, ``lookup``)."""
     from prometheus_client import REGISTRY
 
@@ -495,6 +496,8 @@ def store_operations(llm: Any) -> dict[str, dict[str, float]]:
         "vllm:mooncake_store_operation_total": "calls",
         "vllm:mooncake_store_operation_keys_total": "keys",
         "vllm:mooncake_store_operation_bytes_total": "bytes",
+        "vllm:mooncake_store_operation_failed_keys_total": "failed_keys",
+        "vllm:mooncake_store_operation_time_seconds_sum": "seconds",
     }
     out: dict[str, dict[str, float]] = {}
     for metric in REGISTRY.collect():
@@ -503,7 +506,7 @@ def store_operations(llm: Any) -> dict[str, dict[str, float]]:
             if kind is None:
                 continue
             key = f"{s.labels.get('operation')}/{s.labels.get('status')}"
-            entry = out.setdefault(key, {"calls": 0.0, "keys": 0.0, "bytes": 0.0})
+            entry = out.setdefault(key, dict.fromkeys(kinds.values(), 0.0))
             entry[kind] += s.value
     return out
 
