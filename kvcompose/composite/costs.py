@@ -8,9 +8,11 @@ Three estimates, each from where it is seen:
   to the timed loads alone;
 - **a child's queue**: the predicted time still left of its async loads in flight (a new load
   waits behind them: loads on one child add up);
-- **a cold child** (no ``expect_read`` and none of its loads timed yet) takes one load at a
-  time: its default prior is a guess, and a guess wrong by 100x would otherwise send every
-  request looked up before the first time comes back to it (``Costs.usable``);
+- **a cold child** (no ``expect_read``, fewer than ``PROBES`` loads timed) takes one load at
+  a time, and a short one where it can be cut (``LoadCost.probe_tokens``: 128 tokens, then
+  512): its default prior is a guess, and a guess wrong by 100x would otherwise send every
+  request looked up before its first times come back to it, each with its whole hit; two
+  sizes fit its line (``Costs.usable``, ``LoadCost.cold``);
 - **the engine's prefill**: tokens per second over the engine's own steps, the tokens each
   step scheduled over the time from its ``build_connector_meta`` to the next one's (the
   scheduler side sees every step), counted for steps of at least ``MIN_PREFILL_STEP_TOKENS``.
@@ -40,6 +42,10 @@ DECAY = 0.8
 MIN_PREFILL_STEP_TOKENS = 32
 #: KV bytes per token when the model's shape cannot be read (a 1B model's order).
 FALLBACK_BYTES_PER_TOKEN = 32 * 1024
+#: A cold child's loads are probes until this many are timed: two sizes fit a line.
+PROBES = 2
+#: A cold child's first probe (tokens); each next one is 4x the last.
+PROBE_TOKENS = 128
 
 
 def kv_bytes_per_token(vllm_config: VllmConfig) -> int:
@@ -74,6 +80,17 @@ class LoadCost:
     _xx: float = 0.0
     _xy: float = 0.0
 
+    @property
+    def cold(self) -> bool:
+        """Little to go on but the documented default: no prior set, fewer than ``PROBES``
+        loads timed."""
+        return not self.prior_given and self.measured < PROBES
+
+    @property
+    def probe_tokens(self) -> int | None:
+        """The most a cold child's next load may take (where it can be cut); None if warm."""
+        return PROBE_TOKENS * 4**self.measured if self.cold else None
+
     def predict(self, tokens: int) -> float:
         return self.latency_s + tokens / self.tokens_per_s
 
@@ -94,10 +111,16 @@ class LoadCost:
             self.tokens_per_s = var / cov
             self.latency_s = mean_y - mean_x / self.tokens_per_s
             return
-        # loads of one size (or noise): keep at most half the time as the prior's latency
-        self.latency_s = min(self.latency_s, mean_y / 2)
-        rest = mean_y - self.latency_s
-        self.tokens_per_s = mean_x / rest if rest > 0 else self.tokens_per_s * 2
+        # Loads of one size (or noise) cannot tell latency from rate: keep the rate, and the
+        # rest of their time is latency. Erring this way corrects itself (a child that looks
+        # fast is loaded again, at other sizes); the other way (a high fixed cost read as a
+        # low rate) would keep the child from ever being tried again.
+        rate_s = mean_x / self.tokens_per_s
+        if mean_y > rate_s:
+            self.latency_s = mean_y - rate_s
+        else:
+            self.latency_s = 0.0
+            self.tokens_per_s = mean_x / mean_y if mean_y > 0 else self.tokens_per_s * 2
 
 
 @dataclass
@@ -152,8 +175,7 @@ class Costs:
     def usable(self, child: int, req_id: str) -> bool:
         """Whether ``req_id``'s plans may load from ``child``: any child with a prior set or
         a load timed; a cold one only while no other request's load on it awaits its time."""
-        load = self.loads[child]
-        if load.measured or load.prior_given:
+        if not self.loads[child].cold:
             return True
         return not any(e.child == child and e.req_id != req_id for e in self.expected.values())
 

@@ -13,8 +13,10 @@ them, but in any order and with any child left out:
 A plan's predicted time (``kvcompose.composite.costs``): its sync segments one after the other,
 its async segments in parallel, each after its child's queue, then the prefill of what is
 left. The cheapest wins; ties go to the plan found first (recompute first), so loading must
-pay to be chosen. A cold child with another request's load awaiting its time is left out
-(``Costs.usable``).
+pay to be chosen. A cold child (``LoadCost.cold``) with another request's load awaiting its
+time is left out (``Costs.usable``), and its segment, where it can be cut, ends at most
+``LoadCost.probe_tokens`` after its start (rounded up to its alignment): its first times are
+bought with short loads.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def choose(
     hits = [h for h in hits if costs.usable(h.child, req_id)]
     weighed = [
         Choice(parts, predict(parts, num_tokens, local, costs))
-        for parts in _plans(hits, local, supports, block_size)
+        for parts in _plans(hits, local, supports, block_size, costs)
     ]
     best = weighed[0]
     for choice in weighed[1:]:
@@ -98,7 +100,11 @@ def choose(
 
 
 def _plans(
-    hits: Sequence[Hit], local: int, supports: Sequence[RangeSupport], block_size: int
+    hits: Sequence[Hit],
+    local: int,
+    supports: Sequence[RangeSupport],
+    block_size: int,
+    costs: Costs,
 ) -> Iterator[tuple[Part, ...]]:
     """Every plan the range modes allow, recompute first (depth first after it)."""
     by_child = {h.child: h for h in hits}
@@ -124,7 +130,14 @@ def _plans(
             align = support.align or block_size
             if pos % align or pos % block_size:
                 continue
-            for end in _ends(hit, pos, support, by_child, used, supports, block_size):
+            ends = _ends(hit, pos, support, by_child, used, supports, block_size)
+            probe_tokens = costs.loads[hit.child].probe_tokens
+            if probe_tokens is not None and support.can_cut:
+                unit = math.lcm(align, block_size)
+                probe = pos + math.ceil(probe_tokens / unit) * unit
+                if hit.end > probe:
+                    ends = [e for e in ends if e < probe] + [probe]
+            for end in ends:
                 yield from extend(end, (*parts, Part(hit.child, pos, end, hit.is_async)))
 
     yield from extend(local, ())

@@ -59,10 +59,12 @@ def test_fastest_learns_that_the_slow_tier_does_not_pay(tiny_model: Path, tmp_pa
         assert not scheduler(llm).requests
 
     assert outputs == [reference] * 3
-    # r0: the prior (1 ms + 1 GB/s) makes slow's 192 tokens look cheap: slow loads them
-    assert counters["hits.slow"] == 1 and counters["hit_tokens.slow"] == 192
+    # r0: slow is cold (no prior: the default 1 ms + 1 GB/s makes it look cheap), so it loads
+    # a 128-token probe after fast's 64: a stitch [0, 64) + [64, 192)
+    assert counters["hits.slow"] == 1 and counters["hit_tokens.slow"] == 128
     assert estimate.measured == 1 and estimate.predict(192) >= 0.2  # timed: >= 200 ms
+    assert counters["plans.stitch"] == 1
     # r1, r2: fast's 64 tokens, the rest computed
-    assert counters["hits.fast"] == 2 and counters["hit_tokens.fast"] == 128
-    assert counters["plans.load"] == 3
+    assert counters["hits.fast"] == 3 and counters["hit_tokens.fast"] == 3 * 64
+    assert counters["plans.load"] == 2
     assert counters["load_seconds_actual.slow"] >= 0.2
