@@ -187,7 +187,8 @@ class Leaf(_Node):
         description="For a `fastest` chain: what this connector's loads cost until they "
         "are measured, `{latency_ms, gbps}`: a fixed cost per load (ms, >= 0) plus its bytes "
         f"at a bandwidth (GB/s, > 0); default {DEFAULT_READ_LATENCY_MS:g} ms + "
-        f"{DEFAULT_READ_GBPS:g} GB/s. Its first timed load replaces it.",
+        f"{DEFAULT_READ_GBPS:g} GB/s, and the child starts cold: probed with two short loads "
+        "before its times are trusted. Its timed loads replace it.",
     )
 
     def range_support(self) -> RangeSupport:
