@@ -76,7 +76,7 @@ STORE_OPS = "kvcompose.testing.mooncake:store_operations"
 class Workload:
     """The multi-turn chat shape (token counts; ids drawn with ``token_block``)."""
 
-    #: one conversation per engine at a time: see the module docstring for why not more
+    #: one conversation per engine at a time: see the module docstring
     conversations: int = 2
     turns: int = 10
     system_tokens: int = 256
@@ -96,12 +96,15 @@ class Workload:
 
 
 def first_prompt(wl: Workload, conv: int, vocab: int) -> list[int]:
+    """Turn 0: the system prompt every conversation shares, then the first user message."""
     system = token_block("system", wl.system_tokens, vocab_size=vocab, seed=wl.seed)
     user = token_block(f"c{conv}t0", wl.first_user_tokens, vocab_size=vocab, seed=wl.seed)
     return system + user
 
 
-def next_prompt(wl: Workload, conv: int, turn: int, prev: list[int], out: list[int], vocab: int):
+def next_prompt(
+    wl: Workload, conv: int, turn: int, prev: list[int], out: list[int], vocab: int
+) -> list[int]:
     """Turn ``turn``'s prompt: the previous prompt, its answer, the new user message."""
     user = token_block(f"c{conv}t{turn}", wl.user_tokens, vocab_size=vocab, seed=wl.seed)
     return [*prev, *out, *user]
@@ -171,7 +174,10 @@ def wait_store_quiet(cluster: MooncakeCluster, timeout: float = 10.0) -> tuple[f
     return time.monotonic() - t0, False
 
 
-def ops_delta(after: dict[str, dict[str, float]], before: dict[str, dict[str, float]]):
+def ops_delta(
+    after: dict[str, dict[str, float]], before: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """Mooncake's per-operation counters (``store_operations``) gained between two reads."""
     out: dict[str, dict[str, float]] = {}
     for op, v in after.items():
         b = before.get(op, {})
@@ -182,6 +188,7 @@ def ops_delta(after: dict[str, dict[str, float]], before: dict[str, dict[str, fl
 
 
 def add_into(total: dict[str, Any], part: dict[str, Any]) -> None:
+    """Add ``part``'s numbers into ``total``, nested dicts key by key."""
     for k, v in part.items():
         if isinstance(v, dict):
             add_into(total.setdefault(k, {}), v)
@@ -221,87 +228,89 @@ def run_one(
     llm_kwargs = EngineOptions().llm_kwargs(seed=0)
     t0 = time.perf_counter()
     run: dict[str, Any] = {"label": label, "round": rnd, "requests": []}
-    with MooncakeCluster(
-        work,
-        pool_size=args.pool_size,
-        local_buffer_size=args.local_buffer_size,
-        lease_ttl_ms=args.lease_ms,
-    ) as cluster:
-        engines = []
-        for i in range(ENGINES):
-            cfg = transfer_config(label, cluster, tiers / f"e{i}")
-            engines.append(
-                cluster.engine(
-                    f"e{i}",
-                    model_dir,
-                    cfg,
-                    env=engine_env(i, args.bind),
-                    llm_kwargs=llm_kwargs,
-                    preloaded=True,
-                )
-            )
-        run["engine_start_s"] = round(time.perf_counter() - t0, 1)
-        warm = [token_block(f"warm{i}", 256, vocab_size=vocab, seed=99) for i in range(2)]
-        for e in engines:
-            e.generate(warm, 4)
-        stored_label = label not in ("recompute", "local")
-        ops0 = [e.call(STORE_OPS) for e in engines] if stored_label else []
-        prompts = {c: first_prompt(wl, c, vocab) for c in range(wl.conversations)}
-        hits: dict[str, Any] = {}
-        local_stats: dict[str, Any] = {}
-        think = 0.0
-        t_replay = time.perf_counter()
-        for turn in range(wl.turns):
-            batches: dict[int, list[dict[str, Any]]] = {i: [] for i in range(ENGINES)}
-            for c in range(wl.conversations):
-                batches[engine_of(c, turn)].append(
-                    {"id": f"c{c}t{turn}", "prompt": prompts[c], "arrival_s": 0.0,
-                     "max_tokens": wl.max_tokens, "tags": {"conv": c, "turn": turn}}
-                )  # fmt: skip
-            stores = {
-                i: {"local": str(tiers / f"e{i}")} if label != "shared" else {} for i in batches
-            }
-            results = measure_turn(engines, batches, stores, label=label, rnd=rnd)
-            for i, res in results.items():
-                for node in res.connector.nodes.values():
-                    if node.kind == "kvcompose":
-                        add_into(hits, {k: v for k, v in node.counters.items()})
-                add_into(local_stats, res.connector.stores.get("local", {}))
-                for rec in res.requests:
-                    conv, t = rec.tags["conv"], rec.tags["turn"]
-                    run["requests"].append(
-                        {"id": rec.id, "conv": conv, "turn": t, "engine": i,
-                         "prompt_tokens": rec.prompt_tokens,
-                         "ttft_s": None if rec.first_token_s is None
-                         else round(rec.first_token_s - rec.arrival_s, 4),
-                         "output": list(rec.output_token_ids)}
-                    )  # fmt: skip
-                    prompts[conv] = next_prompt(
-                        wl, conv, t + 1, prompts[conv], list(rec.output_token_ids), vocab
+    try:
+        with MooncakeCluster(
+            work,
+            pool_size=args.pool_size,
+            local_buffer_size=args.local_buffer_size,
+            lease_ttl_ms=args.lease_ms,
+        ) as cluster:
+            engines = []
+            for i in range(ENGINES):
+                cfg = transfer_config(label, cluster, tiers / f"e{i}")
+                engines.append(
+                    cluster.engine(
+                        f"e{i}",
+                        model_dir,
+                        cfg,
+                        env=engine_env(i, args.bind),
+                        llm_kwargs=llm_kwargs,
+                        preloaded=True,
                     )
-            ttfts = [r["ttft_s"] for r in run["requests"] if r["turn"] == turn]
-            print(
-                f"  r{rnd + 1} {label:9s} turn {turn}: TTFT "
-                + " ".join(f"{x * 1000:.0f}" for x in ttfts if x is not None)
-                + " ms",
-                flush=True,
-            )
+                )
+            run["engine_start_s"] = round(time.perf_counter() - t0, 1)
+            warm = [token_block(f"warm{i}", 256, vocab_size=vocab, seed=99) for i in range(2)]
+            for e in engines:
+                e.generate(warm, 4)
+            stored_label = label not in ("recompute", "local")
+            ops0 = [e.call(STORE_OPS) for e in engines] if stored_label else []
+            prompts = {c: first_prompt(wl, c, vocab) for c in range(wl.conversations)}
+            hits: dict[str, Any] = {}
+            local_stats: dict[str, Any] = {}
+            think = 0.0
+            t_replay = time.perf_counter()
+            for turn in range(wl.turns):
+                batches: dict[int, list[dict[str, Any]]] = {i: [] for i in range(ENGINES)}
+                for c in range(wl.conversations):
+                    batches[engine_of(c, turn)].append(
+                        {"id": f"c{c}t{turn}", "prompt": prompts[c], "arrival_s": 0.0,
+                         "max_tokens": wl.max_tokens, "tags": {"conv": c, "turn": turn}}
+                    )  # fmt: skip
+                stores = {
+                    i: {"local": str(tiers / f"e{i}")} if label != "shared" else {} for i in batches
+                }
+                results = measure_turn(engines, batches, stores, label=label, rnd=rnd)
+                for i, res in results.items():
+                    for node in res.connector.nodes.values():
+                        if node.kind == "kvcompose":
+                            add_into(hits, {k: v for k, v in node.counters.items()})
+                    add_into(local_stats, res.connector.stores.get("local", {}))
+                    for rec in res.requests:
+                        conv, t = rec.tags["conv"], rec.tags["turn"]
+                        run["requests"].append(
+                            {"id": rec.id, "conv": conv, "turn": t, "engine": i,
+                             "prompt_tokens": rec.prompt_tokens,
+                             "ttft_s": None if rec.first_token_s is None
+                             else round(rec.first_token_s - rec.arrival_s, 4),
+                             "output": list(rec.output_token_ids)}
+                        )  # fmt: skip
+                        prompts[conv] = next_prompt(
+                            wl, conv, t + 1, prompts[conv], list(rec.output_token_ids), vocab
+                        )
+                ttfts = [r["ttft_s"] for r in run["requests"] if r["turn"] == turn]
+                print(
+                    f"  r{rnd + 1} {label:9s} turn {turn}: TTFT "
+                    + " ".join(f"{x * 1000:.0f}" for x in ttfts if x is not None)
+                    + " ms",
+                    flush=True,
+                )
+                if stored_label:
+                    waited, quiet = wait_store_quiet(cluster)
+                    think += waited
+                    if not quiet:
+                        run["store_not_quiet_turns"] = run.get("store_not_quiet_turns", 0) + 1
+            run["replay_s"] = round(time.perf_counter() - t_replay - think, 2)
+            run["think_s"] = round(think, 2)
+            run["hits"] = hits
+            run["local_tier"] = local_stats
             if stored_label:
-                waited, quiet = wait_store_quiet(cluster)
-                think += waited
-                if not quiet:
-                    run["store_not_quiet_turns"] = run.get("store_not_quiet_turns", 0) + 1
-        run["replay_s"] = round(time.perf_counter() - t_replay - think, 2)
-        run["think_s"] = round(think, 2)
-        run["hits"] = hits
-        run["local_tier"] = local_stats
-        if stored_label:
-            mooncake: dict[str, Any] = {}
-            for e, before in zip(engines, ops0, strict=True):
-                add_into(mooncake, ops_delta(e.call(STORE_OPS), before))
-            run["mooncake"] = mooncake
-            run["mooncake_keys"] = len(cluster.keys())
-    shutil.rmtree(tiers, ignore_errors=True)
+                mooncake: dict[str, Any] = {}
+                for e, before in zip(engines, ops0, strict=True):
+                    add_into(mooncake, ops_delta(e.call(STORE_OPS), before))
+                run["mooncake"] = mooncake
+                run["mooncake_keys"] = len(cluster.keys())
+    finally:  # the local tiers live in tmpfs: memory
+        shutil.rmtree(tiers, ignore_errors=True)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     run["total_s"] = round(time.perf_counter() - t0, 1)
