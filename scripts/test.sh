@@ -69,7 +69,10 @@ D0=$((SECONDS - T0L))
 
 WORKERS="${KVCOMPOSE_TEST_WORKERS:-2}"
 XDIST=()
-[[ "$WORKERS" != 0 ]] && XDIST=(-n "$WORKERS")
+# worksteal, not load: load hands a worker half of what is left in one go, so the last
+# long tests (the randomized sequences, ~10-18 s each) ran one after another on one worker
+# while the other sat idle (phase 1a 192 s, one worker done at 122 s)
+[[ "$WORKERS" != 0 ]] && XDIST=(-n "$WORKERS" --dist worksteal)
 with_mark() {  # with_mark EXPR: EXPR combined with the -m given to this script, if any
   if [[ -n "$MARK" ]]; then echo "($MARK) and ($1)"; else echo "$1"; fi
 }
