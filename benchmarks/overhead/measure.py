@@ -11,7 +11,16 @@ and ``update_from_output``; only the forward pass is absent) with:
 - ``kvcompose-k``: a kvcompose ``chain`` (policy ``first``) over k no-op children;
 - ``floor-k``: ``FloorConnector`` (``overhead.floor``), a bare forwarding composite of k
   no-op children (each child asked and told everything, nothing kept or checked): what
-  forwarding to k children costs, so ``kvcompose-k / floor-k`` is about kvcompose's own share.
+  forwarding to k children costs, so ``kvcompose-k / floor-k`` is about kvcompose's own share;
+- ``longest-k`` and ``fastest-k``: a kvcompose chain (policy ``longest``, ``fastest``) over k
+  no-op children that hit (``hit_tokens``), child i the prompt less i + 1 blocks, so a lookup
+  has k hits to choose between (a prompt seen before in the round hits vLLM's own prefix cache
+  instead) (``fastest_over_longest`` is issue 27's overhead goal).
+  The children are ``load_range: native``, so ``fastest`` weighs every stitch of them too, and
+  have an ``expect_read`` prior (``HIT_PRIOR``): a child with none is cold and takes one load
+  at a time until a load is timed (``Costs.usable``), which never happens here (no worker),
+  so without it every request but one would skip the plan choice. Both policies pick child 0's
+  hit, so both configurations load the same tokens and differ only in the choosing.
 
 All N requests arrive at once: one admission step looks up and allocates every request
 (``get_num_new_matched_tokens``, ``update_state_after_alloc`` on every child), then decode
@@ -71,35 +80,73 @@ class OverheadOptions:
     repeats: int = opt(
         5, "rounds (each runs every configuration, interleaved; default 5)", minimum=1
     )
-    prompt_len: int = opt(32, "tokens per prompt", minimum=1)
+    prompt_len: int = opt(
+        96,
+        "tokens per prompt (more than max(children) blocks: longest-k/fastest-k's children "
+        "hold the prompt less 1..k blocks)",
+        minimum=1,
+    )
     block_size: int = opt(16, "KV cache block size", minimum=1)
     model_dir: str | None = None  # default: the tiny test model (only its config is read)
 
 
-def configurations(children: list[int]) -> dict[str, dict[str, Any] | None]:
+#: ``fastest-k``'s children's ``expect_read``: a load costs next to nothing, so loading wins
+#: every plan choice and every request goes through it (see the module docstring).
+HIT_PRIOR = {"latency_ms": 0, "gbps": 1000}
+
+
+def hit_tokens(child: int, prompt_len: int, block_size: int) -> int:
+    """What child ``child`` of ``longest-k``/``fastest-k`` holds: the prompt less
+    ``child + 1`` blocks."""
+    return prompt_len - (child + 1) * block_size
+
+
+def configurations(
+    children: list[int], prompt_len: int = 96, block_size: int = 16
+) -> dict[str, dict[str, Any] | None]:
     from kvcompose.config import load_config
     from kvcompose.config.render import vllm_args
     from kvcompose.testing.noop import MODULE_PATH, noop_config  # imports vLLM
     from overhead.floor import floor_config
 
+    def chain(policy: str, leaves: list[dict[str, Any]]) -> dict[str, Any]:
+        document = {
+            "version": 1,
+            "kv_role": "kv_both",
+            "tree": {"chain": {"name": "tiers", "policy": policy, "children": leaves}},
+        }
+        return vllm_args(load_config(document, env={}))
+
     out: dict[str, dict[str, Any] | None] = {"none": None, "direct": noop_config()}
     for k in children:
+        if hit_tokens(k - 1, prompt_len, block_size) < block_size:
+            raise ValueError(
+                f"prompt_len {prompt_len} leaves child {k - 1} of {k} no block to hit: "
+                f"give more than {k} blocks of {block_size}"
+            )
         out[f"multiconnector-{k}"] = {
             "kv_connector": "MultiConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"connectors": [noop_config() for _ in range(k)]},
         }
-        leaves = [
-            {"leaf": {"name": f"c{i}", "connector": "NoopConnector", "module_path": MODULE_PATH}}
+        noop = {"connector": "NoopConnector", "module_path": MODULE_PATH}
+        out[f"kvcompose-{k}"] = chain(
+            "first", [{"leaf": {"name": f"c{i}", **noop}} for i in range(k)]
+        )
+        out[f"floor-{k}"] = floor_config(k)
+        hits = [
+            {
+                "name": f"c{i}",
+                **noop,
+                "extra_config": {"hit_tokens": hit_tokens(i, prompt_len, block_size)},
+                "load_range": "native",
+            }
             for i in range(k)
         ]
-        document = {
-            "version": 1,
-            "kv_role": "kv_both",
-            "tree": {"chain": {"name": "tiers", "policy": "first", "children": leaves}},
-        }
-        out[f"kvcompose-{k}"] = vllm_args(load_config(document, env={}))
-        out[f"floor-{k}"] = floor_config(k)
+        out[f"longest-{k}"] = chain("longest", [{"leaf": leaf} for leaf in hits])
+        out[f"fastest-{k}"] = chain(
+            "fastest", [{"leaf": {**leaf, "expect_read": HIT_PRIOR}} for leaf in hits]
+        )
     return out
 
 
@@ -131,6 +178,7 @@ class RoundTimes:
     finish_s: float
     total_s: float
     steps: int
+    admit_tokens: int  # tokens the admission step scheduled (less the connectors' hits)
     in_connector_s: float
     connector_calls: int
     by_method: dict[str, float]  # seconds inside each connector method
@@ -168,6 +216,7 @@ def _one_round(
         steps: dict[str, list[float]] = {name: [] for name in names}
         admitted: dict[str, int] = {}
         finished = dict.fromkeys(names, 0)
+        admit_tokens: dict[str, int] = {}
         finish_step: dict[str, int] = {}
         gc.collect()
         gc.disable()
@@ -192,6 +241,7 @@ def _one_round(
                     steps[name].append(time.perf_counter() - t)
                     if len(steps[name]) == 1:
                         admitted[name] = len(res.scheduled)
+                        admit_tokens[name] = sum(res.scheduled.values())
                     finished[name] += len(res.finished)
                     if res.finished and name not in finish_step:
                         finish_step[name] = len(steps[name]) - 1
@@ -202,6 +252,8 @@ def _one_round(
             gc.enable()
         out: dict[str, RoundTimes] = {}
         for name in names:
+            # every request finished, every block back, no connector state left
+            harnesses[name].assert_clean()
             if admitted.get(name) != n:
                 raise RuntimeError(
                     f"{name}: only {admitted.get(name)} of {n} requests admitted in the first step"
@@ -216,6 +268,7 @@ def _one_round(
                 finish_s=sum(st[fs:]),
                 total_s=add_s[name] + sum(st),
                 steps=len(st),
+                admit_tokens=admit_tokens[name],
                 in_connector_s=timer.total if timer else 0.0,
                 connector_calls=timer.calls if timer else 0,
                 by_method={k: v[0] for k, v in (timer.by_method if timer else {}).items() if v[1]},
@@ -276,7 +329,7 @@ def run_overhead(opts: OverheadOptions, progress: Any = None) -> OverheadResult:
         from kvcompose.engine.model import tiny_model
 
         model_dir = tiny_model()
-    configs = configurations(opts.children)
+    configs = configurations(opts.children, opts.prompt_len, opts.block_size)
     t0 = time.perf_counter()
     raw: dict[int, dict[str, list[RoundTimes]]] = {}
     for n in opts.requests:
@@ -317,6 +370,7 @@ def _summary(
         rows[name] = OverheadRow(
             in_connector_us_per_request_step=round(m.in_connector_s / per_step * 1e6, 4),
             connector_calls=m.connector_calls,
+            computed_tokens_per_request=round(m.admit_tokens / n, 2),
             total_ms=round(m.total_s * 1e3, 3),
             us_per_request_step=round(m.total_s / per_step * 1e6, 4),
             added_us_per_request_step=round((m.total_s - base.total_s) / per_step * 1e6, 4),
@@ -355,6 +409,7 @@ def _summary(
         kvc_mc, kvc_direct = rounds(kvn, mcn), rounds(kvn, "direct")
         mc_direct = rounds(mcn, "direct")
         kvc_floor, floor_direct = rounds(kvn, floor), rounds(floor, "direct")
+        fastest_longest = rounds(f"fastest-{k}", f"longest-{k}")
         ratios[f"{k}_children"] = OverheadRatios(
             kvcompose_over_multiconnector=median(kvc_mc),
             kvcompose_over_direct=median(kvc_direct),
@@ -371,5 +426,7 @@ def _summary(
             floor_over_direct=median(floor_direct),
             kvcompose_over_floor_rounds=kvc_floor,
             floor_over_direct_rounds=floor_direct,
+            fastest_over_longest=median(fastest_longest),
+            fastest_over_longest_rounds=fastest_longest,
         )
     return OverheadEntry(steps=base.steps, configs=rows, ratios=ratios)

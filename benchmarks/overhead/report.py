@@ -40,7 +40,9 @@ def table(result: OverheadResult) -> Any:
                 f"{row.added_us_per_request_finish:.2f}",
             )
         for k, r in entry.ratios.items():
-            kvc_mc, kvc_direct, mc_direct, kvc_floor, floor_direct = _ratio_cells(r)
+            kvc_mc, kvc_direct, mc_direct, kvc_floor, floor_direct, fastest_longest = _ratio_cells(
+                r
+            )
             t.add_row(
                 n,
                 f"ratio, {k.replace('_', ' ')}",
@@ -49,20 +51,21 @@ def table(result: OverheadResult) -> Any:
                 f"MC/direct {mc_direct}",
                 f"kvc/floor {kvc_floor}",
                 f"floor/direct {floor_direct}",
-                "",
+                f"fastest/longest {fastest_longest}",
             )
     return t
 
 
-def _ratio_cells(r: OverheadRatios) -> tuple[str, str, str, str, str]:
+def _ratio_cells(r: OverheadRatios) -> tuple[str, str, str, str, str, str]:
     """kvcompose/MultiConnector, kvcompose/direct, MultiConnector/direct, kvcompose/floor,
-    floor/direct, with spreads."""
+    floor/direct, fastest/longest, with spreads."""
     return (
         _spread(r.kvcompose_over_multiconnector, r.kvcompose_over_multiconnector_rounds),
         _spread(r.kvcompose_over_direct, r.kvcompose_over_direct_rounds),
         _spread(r.multiconnector_over_direct, r.multiconnector_over_direct_rounds),
         _spread(r.kvcompose_over_floor, r.kvcompose_over_floor_rounds),
         _spread(r.floor_over_direct, r.floor_over_direct_rounds),
+        _spread(r.fastest_over_longest, r.fastest_over_longest_rounds),
     )
 
 
@@ -91,11 +94,15 @@ def markdown(result: OverheadResult, goals: str = "") -> str:
         "`floor-k` is `benchmarks/overhead/floor.py`'s `FloorConnector`, a bare forwarding "
         "composite of the same k children (each asked and told everything, nothing kept or "
         "checked): `floor / direct` is what forwarding to k children costs, "
-        "`kvcompose / floor` about kvcompose's own share.",
+        "`kvcompose / floor` about kvcompose's own share. `longest-k` and `fastest-k` are "
+        "kvcompose chains over k children that hit (child i holds the prompt less i + 1 "
+        "blocks; `fastest` with an `expect_read` prior on each, so every request goes through "
+        "its plan choice): `fastest / longest` is what choosing a plan by predicted cost "
+        "costs against taking the longest hit.",
         "",
         "| N | children | kvcompose / MultiConnector | kvcompose / direct | "
-        "MultiConnector / direct | kvcompose / floor | floor / direct |",
-        "|---|---|---|---|---|---|---|",
+        "MultiConnector / direct | kvcompose / floor | floor / direct | fastest / longest |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n, entry in result.by_requests.items():
         for k, r in entry.ratios.items():
@@ -104,14 +111,15 @@ def markdown(result: OverheadResult, goals: str = "") -> str:
         "",
         "In-connector µs per request and engine step (best round):",
         "",
-        "| N | config | in connector µs | calls |",
-        "|---|---|---|---|",
+        "| N | config | in connector µs | calls | prompt tokens computed per request |",
+        "|---|---|---|---|---|",
     ]
     for n, entry in result.by_requests.items():
         for name, row in entry.configs.items():
             if name != "none":
+                computed = row.computed_tokens_per_request
                 lines.append(
                     f"| {n} | {name} | {row.in_connector_us_per_request_step:.4f} "
-                    f"| {row.connector_calls} |"
+                    f"| {row.connector_calls} | {'' if computed is None else f'{computed:g}'} |"
                 )
     return "\n".join(lines) + "\n"

@@ -21,6 +21,9 @@ class OverheadRow(Record):
     runs_total_ms: list[float]
     runs_in_connector_ms: list[float]
     in_connector_us_per_request_by_method: dict[str, float]
+    #: prompt tokens the admission step computed per request: the prompt less the
+    #: connectors' hit (results since 2026-12-02 evening; older files have none)
+    computed_tokens_per_request: float | None = None
 
 
 class OverheadRatios(Record):
@@ -41,6 +44,10 @@ class OverheadRatios(Record):
     floor_over_direct: float | None = None
     kvcompose_over_floor_rounds: list[float] = []
     floor_over_direct_rounds: list[float] = []
+    #: ``fastest-k`` against ``longest-k``, chains over k children that hit (issue 27's
+    #: overhead goal; results since 2026-12-02 evening; older files have none)
+    fastest_over_longest: float | None = None
+    fastest_over_longest_rounds: list[float] = []
 
 
 class OverheadEntry(Record):

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,13 +39,23 @@ def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
         "multiconnector-2",
         "kvcompose-2",
         "floor-2",
+        "longest-2",
+        "fastest-2",
     }
     calls = {name: row["connector_calls"] for name, row in entry["configs"].items()}
     assert calls["none"] == 0
     # The scheduler makes the same calls into its connector whatever it is.
     assert calls["direct"] == calls["multiconnector-2"] == calls["kvcompose-2"] > 0
     assert calls["floor-2"] == calls["direct"]
-    for name in ("direct", "multiconnector-2", "kvcompose-2", "floor-2"):
+    # with a connector hit the scheduler also asks ``get_external_cache_hit_sources``, once a
+    # request (``Scheduler.schedule``)
+    assert calls["longest-2"] == calls["fastest-2"] == calls["direct"] + 16
+    computed = {name: row["computed_tokens_per_request"] for name, row in entry["configs"].items()}
+    # the no-op children miss; longest's and fastest's hit, both loading child 0's (the prompt
+    # less a block: 96 - 80 tokens left to compute)
+    assert computed["direct"] == computed["kvcompose-2"] == computed["floor-2"] == 96
+    assert computed["longest-2"] == computed["fastest-2"] == 16
+    for name in ("direct", "multiconnector-2", "kvcompose-2", "floor-2", "fastest-2"):
         by_method = entry["configs"][name]["in_connector_us_per_request_by_method"]
         assert {
             "get_num_new_matched_tokens",
@@ -57,9 +68,11 @@ def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
         "kvcompose_over_direct",
         "kvcompose_over_floor",
         "floor_over_direct",
+        "fastest_over_longest",
     }
     assert entry["ratios"]["2_children"]["kvcompose_over_floor"] > 0
-    assert table(result).row_count == 6
+    assert entry["ratios"]["2_children"]["fastest_over_longest"] > 0
+    assert table(result).row_count == 8
     ratios = entry["ratios"]["2_children"]
     assert len(ratios["kvcompose_over_multiconnector_rounds"]) == 1  # one per round
     assert (
@@ -69,6 +82,32 @@ def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:
     row = next(line for line in md.splitlines() if line.startswith("| 16 | 2 |"))
     assert f"{ratios['kvcompose_over_multiconnector']:.2f}" in row
     assert f"{ratios['kvcompose_over_floor']:.2f}" in row
+    assert row.split("|")[-2].strip().startswith(f"{ratios['fastest_over_longest']:.2f} (")
+
+
+def test_fastest_chain_weighs_every_plan_for_every_request(tiny_model: Path) -> None:
+    """``fastest-k``'s children have a prior, so no request skips the plan choice (a cold
+    child takes one load at a time, ``Costs.usable``) and every one loads child 0's hit."""
+    from overhead.measure import configurations
+
+    from kvcompose.engine.harness import SchedulerHarness
+
+    ktc = configurations([3], prompt_len=80, block_size=16)["fastest-3"]
+    with SchedulerHarness(tiny_model, ktc, block_size=16, num_blocks=64) as h:
+        for _ in range(4):
+            h.add_request(num_tokens=80, max_tokens=2)
+        first = h.step()
+        assert first.scheduled == {f"req-{i}": 80 - 64 for i in range(4)}
+        h.run_until_idle()
+        h.assert_clean()
+        assert h.connector.stats_totals()["counters"]["plans.load"] == 4  # type: ignore[union-attr]
+
+
+def test_configurations_refuse_a_prompt_too_short_for_the_children() -> None:
+    from overhead.measure import configurations
+
+    with pytest.raises(ValueError, match="leaves child 3 of 4 no block"):
+        configurations([4], prompt_len=64, block_size=16)
 
 
 def test_noop_connector_is_a_complete_connector() -> None:
@@ -80,6 +119,38 @@ def test_noop_connector_is_a_complete_connector() -> None:
     for cls in (NoopConnector, FloorConnector):
         assert issubclass(cls, KVConnectorBase_V1)
         assert not getattr(cls, "__abstractmethods__", set())
+
+
+def test_noop_connector_hits_only_when_told_to(harness_factory: Any) -> None:
+    """``hit_tokens``: a sync hit of the prompt's first tokens, cut to a block and to all but
+    the last token, less what is computed; the scheduler counts them computed and the requests
+    finish with every block back. Without it every lookup misses, as always."""
+    from kvcompose.testing.noop import NoopConnector, noop_config
+
+    def lookups(hit_tokens: int) -> list[tuple[int | None, bool]]:
+        h = harness_factory(noop_config(hit_tokens=hit_tokens), block_size=16, num_blocks=64)
+        conn = h.connector
+        assert isinstance(conn, NoopConnector)
+        long, short = h.add_request(num_tokens=80), h.add_request(num_tokens=20)
+        answers = [
+            conn.get_num_new_matched_tokens(long, 0),
+            conn.get_num_new_matched_tokens(long, 16),
+            conn.get_num_new_matched_tokens(long, 48),
+            conn.get_num_new_matched_tokens(short, 0),
+        ]
+        first = h.step()
+        computed = 80 - answers[0][0], 20 - answers[3][0]  # type: ignore[operator]
+        assert first.scheduled == {long.request_id: computed[0], short.request_id: computed[1]}
+        h.run_until_idle()
+        assert set(h.finished) == {long.request_id, short.request_id}
+        h.assert_clean()
+        return answers
+
+    # 40 tokens held: 32 on a block; a 20-token prompt leaves one token: 19, cut to 16
+    assert lookups(40) == [(32, False), (16, False), (0, False), (16, False)]
+    assert lookups(200) == [(64, False), (48, False), (16, False), (16, False)]
+    assert lookups(0) == [(0, False)] * 4
+    assert noop_config() == noop_config(hit_tokens=0)  # the default config is unchanged
 
 
 def test_committed_overhead_results_read_back() -> None:
