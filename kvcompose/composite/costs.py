@@ -15,7 +15,10 @@ Three estimates, each from where it is seen:
   sizes fit its line (``Costs.usable``, ``LoadCost.cold``);
 - **the engine's prefill**: tokens per second over the engine's own steps, the tokens each
   step scheduled over the time from its ``build_connector_meta`` to the next one's (the
-  scheduler side sees every step), counted for steps of at least ``MIN_PREFILL_STEP_TOKENS``.
+  scheduler side sees every step), less the time its sync loads took (timed by the worker
+  half, reported before the next step is scheduled: a 300 ms load stalling a step of 32
+  tokens is not a prefill of 100 tokens/s), counted for steps of at least
+  ``MIN_PREFILL_STEP_TOKENS``.
 
 Simplifications, written down in docs/concepts.md: a step's time is all its tokens' (decodes
 and sync loads in it included); a sync load's stall of the other running requests is not
@@ -147,6 +150,7 @@ class Costs:
     prefill_measured: int = 0
     steps: int = 0
     _last_step: tuple[float, int] | None = None
+    _sync_load_s: float = 0.0  # the sync loads timed since the last step was scheduled
 
     @classmethod
     def for_tree(cls, tree: nodes.Chain, vllm_config: VllmConfig) -> Costs:
@@ -206,6 +210,8 @@ class Costs:
             if expected is not None:
                 self.loads[expected.child].observe(expected.tokens, seconds)
                 done.append((expected, seconds))
+                if not expected.is_async:
+                    self._sync_load_s += seconds
         return done
 
     def step(self, scheduled_tokens: int) -> None:
@@ -213,13 +219,14 @@ class Costs:
         now = self.clock()
         if self._last_step is not None:
             since, tokens = self._last_step
-            elapsed = now - since
+            elapsed = now - since - self._sync_load_s
             if tokens >= MIN_PREFILL_STEP_TOKENS and elapsed > 0:
                 # the first measurement halves the prior's weight, later ones move it by 1/5
                 alpha = 0.5 if not self.prefill_measured else 1 - DECAY
                 self.prefill_tokens_per_s += alpha * (tokens / elapsed - self.prefill_tokens_per_s)
                 self.prefill_measured += 1
         self._last_step = (now, scheduled_tokens)
+        self._sync_load_s = 0.0
         self.steps += 1
         # a sync load's time came with its step's output, or never will (its child raised)
         stale = [k for k, e in self.expected.items() if not e.is_async and e.step < self.steps - 1]

@@ -113,10 +113,14 @@ def test_measured_loads_replace_the_prior(harness):
         req = h.add_request(prompt(200, 10 + seed), max_tokens=1)
         h.run_until_idle()
         told.append(allocs(a, req.request_id)[0])
-    estimate = h.connector.scheduler_side.costs.loads[0]
+    costs = h.connector.scheduler_side.costs
+    estimate = costs.loads[0]
     assert told[0] == 160 and told[-1] == 0, told
     assert estimate.measured == told.count(160)
     assert estimate.predict(160) == pytest.approx(2.0)  # the timed loads, not the prior
+    # the clock moved only inside loads: no step's prefill took time, so none was measured
+    # (a 2 s stall over a step's 40 tokens is not a prefill of 20 tokens/s)
+    assert costs.prefill_tokens_per_s == 2000.0 and costs.prefill_measured == 0
     h.assert_clean()
 
 
