@@ -10,27 +10,41 @@ is what the engine computes here). Contenders, in rotated rounds:
 - the fast tier alone (the shared system prompts loaded, the rest recomputed): the best
   fixed plan when the disk tier is slower than computing, which no other policy can choose;
 - chain ``fastest`` over [fast, disk], with no prior set: it starts from the default prior
-  (1 ms + 1 GB/s, so its first loads from disk are taken) and learns the disk tier's speed.
+  (1 ms + 1 GB/s), so the disk tier is cold: its first load is a 128-token probe, alone, and
+  from its times on ``fastest`` goes by the disk tier's measured speed.
 
 Per round, each contender's TTFT p50 and p90 are paired with the best fixed plan's and
 recompute's of the same round (``results/fastest_slow_tier/summary.md``).
+
+``--saturation``: the same contenders with every request arriving at once (``--time-scale 0``)
+and 10 users, so that loads pile up on the slow tier; the summary adds TTFT p99 per round,
+paired with recompute's (``results/fastest_saturation/summary.md``).
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
+from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
 
 from kvcompose.bench.summary import paired_ratios
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "fastest_slow_tier"
+SATURATION = HERE / "results" / "fastest_saturation"
 CONTENDERS = HERE / "contenders"
 FIXED = ("recompute", "disk", "longest", "stitch", "fast-only")
 
 
-def summary(results: dict) -> list[str]:
+def summary(
+    results: dict, fixed: tuple[str, ...] = FIXED, chosen: tuple[str, ...] = ("fastest",)
+) -> list[str]:
+    """The table of contenders (``fixed`` then ``chosen``) and each of ``chosen``'s TTFT
+    paired by round with each fixed plan's (also used by ``fastest_mixed.py``)."""
     by_label = {c["label"]: c for c in results["contenders"]}
     lines = [
         f"Workload: {results['meta']['workload_description']}",
@@ -39,7 +53,7 @@ def summary(results: dict) -> list[str]:
         "(range) | fast tokens | disk tokens | agreement |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for label in (*FIXED, "fastest"):
+    for label in (*fixed, *chosen):
         c = by_label.get(label)
         if c is None or c["status"] != "ok":
             lines.append(f"| {label} | {c and c['status']} | | | | | |")
@@ -53,34 +67,67 @@ def summary(results: dict) -> list[str]:
             f"| {label} | {p50} | {p90} | {speed} | {tiers[0]} | {tiers[1]} | "
             f"{c['agreement']['percent']:.0f} % |"
         )
-    fastest = by_label.get("fastest")
-    if fastest is None or fastest["status"] != "ok":
-        return lines
-    lines.append("")
-    for label in FIXED:
-        other = by_label.get(label)
-        if other is None or other["status"] != "ok":
-            continue
-        paired = paired_ratios(fastest["ttft_p50_rounds"], other["ttft_p50_rounds"])
-        lines.append(
-            f"- fastest / {label}, TTFT p50 paired by round: "
-            + ", ".join(f"{r:.2f}" for r in paired.ratios)
-            + f" (median {paired.median:.2f})"
-        )
     recompute = by_label.get("recompute")
-    if recompute and recompute["status"] == "ok" and "ttft_p90_rounds" in fastest:
-        paired = paired_ratios(fastest["ttft_p90_rounds"], recompute["ttft_p90_rounds"])
-        lines.append(
-            "- fastest / recompute, TTFT p90 paired by round: "
-            + ", ".join(f"{r:.2f}" for r in paired.ratios)
-        )
+    for name in chosen:
+        mine = by_label.get(name)
+        if mine is None or mine["status"] != "ok":
+            continue
+        lines.append("")
+        for label in fixed:
+            other = by_label.get(label)
+            if other is None or other["status"] != "ok":
+                continue
+            paired = paired_ratios(mine["ttft_p50_rounds"], other["ttft_p50_rounds"])
+            lines.append(
+                f"- {name} / {label}, TTFT p50 paired by round: "
+                + ", ".join(f"{r:.2f}" for r in paired.ratios)
+                + f" (median {paired.median:.2f})"
+            )
+        if recompute and recompute["status"] == "ok" and "ttft_p90_rounds" in mine:
+            paired = paired_ratios(mine["ttft_p90_rounds"], recompute["ttft_p90_rounds"])
+            lines.append(
+                f"- {name} / recompute, TTFT p90 paired by round: "
+                + ", ".join(f"{r:.2f}" for r in paired.ratios)
+            )
+    return lines
+
+
+def tail_lines(requests_csv: Path, pct: float = 99) -> list[str]:
+    """Each contender's TTFT ``pct``-th percentile per round (from the per-request rows), and
+    ``fastest``'s and ``longest``'s paired by round with recompute's."""
+    ttfts: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    with requests_csv.open() as fh:
+        for row in csv.DictReader(fh):
+            if row["ttft_s"]:
+                ttfts[row["contender"]][f"{row['seed']}/{row['round']}"].append(
+                    float(row["ttft_s"])
+                )
+    tails = {
+        c: {r: float(np.percentile(v, pct)) for r, v in rounds.items()}
+        for c, rounds in ttfts.items()
+    }
+    lines = ["", f"| contender | TTFT p{pct:g} ms by round |", "|---|---:|"]
+    for c, by_round in tails.items():
+        lines.append(f"| {c} | {' / '.join(f'{v * 1000:,.0f}' for v in by_round.values())} |")
+    lines.append("")
+    for c in ("fastest", "longest"):
+        if c in tails and "recompute" in tails:
+            paired = paired_ratios(tails[c], tails["recompute"])
+            lines.append(
+                f"- {c} / recompute, TTFT p{pct:g} paired by round: "
+                + ", ".join(f"{r:.2f}" for r in paired.ratios)
+            )
     return lines
 
 
 def main(extra: list[str]) -> int:
     from kvcompose.cli.main import main as kvcompose
 
-    args = ["bench", "--out", str(OUT), "-c", "recompute"]
+    saturation = "--saturation" in extra
+    out = SATURATION if saturation else OUT
+    if saturation:
+        extra = [a for a in extra if a != "--saturation"] + ["--time-scale", "0", "--users", "10"]
+    args = ["bench", "--out", str(out), "-c", "recompute"]
     for label, name in (
         ("disk", "slowtier-disk"),
         ("longest", "slowtier-longest"),
@@ -90,19 +137,21 @@ def main(extra: list[str]) -> int:
     ):
         args += ["-c", f"{label}={CONTENDERS / (name + '.yaml')}"]
     rc = kvcompose([*args, *extra])
-    results = OUT / "results.json"
+    results = out / "results.json"
     if results.is_file():
         text = "\n".join(
             [
-                "# fastest against fixed plans, the disk tier EMULATED slower than computing",
+                "# fastest against fixed plans, the disk tier EMULATED slower than computing"
+                + (": saturation (every request at once)" if saturation else ""),
                 "",
                 "The disk tier's reads are EMULATED (20 ms + bytes at 0.03 GB/s per load); the "
                 "fast tier is tmpfs. Tokens are per replay (mean over rounds).",
                 "",
                 *summary(json.loads(results.read_text())),
+                *(tail_lines(out / "requests.csv") if saturation else []),
             ]
         )
-        (OUT / "summary.md").write_text(text + "\n")
+        (out / "summary.md").write_text(text + "\n")
         print(text)
     return rc
 
