@@ -141,16 +141,23 @@ class Expected:
 
 @dataclass
 class Costs:
-    """The estimates of one ``fastest`` node, and its loads awaiting their time."""
+    """The estimates of one ``fastest`` node, and its loads awaiting their time: per child,
+    sync and async apart, by request, so that a lookup touches its child's async loads and
+    its own request's, never every load in flight (4,000 requests looked up in one step)."""
 
     loads: list[LoadCost]
     prefill_tokens_per_s: float
     clock: Callable[[], float] = time.monotonic
-    expected: dict[tuple[str, int], Expected] = field(default_factory=dict)
     prefill_measured: int = 0
     steps: int = 0
+    _sync: list[dict[str, Expected]] = field(default_factory=list)
+    _async: list[dict[str, Expected]] = field(default_factory=list)
     _last_step: tuple[float, int] | None = None
     _sync_load_s: float = 0.0  # the sync loads timed since the last step was scheduled
+
+    def __post_init__(self) -> None:
+        self._sync = [{} for _ in self.loads]
+        self._async = [{} for _ in self.loads]
 
     @classmethod
     def for_tree(cls, tree: nodes.Chain, vllm_config: VllmConfig) -> Costs:
@@ -166,22 +173,28 @@ class Costs:
         prefill = tree.expect_prefill_tokens_per_s or nodes.DEFAULT_PREFILL_TOKENS_PER_S
         return cls(loads, prefill)
 
+    @property
+    def expected(self) -> dict[tuple[str, int], Expected]:
+        """Every load awaiting its time, by (request, child) (for tests and the log)."""
+        return {
+            (e.req_id, e.child): e
+            for waiting in (*self._sync, *self._async)
+            for e in waiting.values()
+        }
+
     # ------------------------------------------------------------- predictions
     def queue_s(self, child: int) -> float:
         """The predicted time left of ``child``'s async loads in flight."""
         now = self.clock()
-        return sum(
-            max(0.0, e.predicted_s - (now - e.since))
-            for e in self.expected.values()
-            if e.child == child and e.is_async
-        )
+        return sum(max(0.0, e.predicted_s - (now - e.since)) for e in self._async[child].values())
 
     def usable(self, child: int, req_id: str) -> bool:
         """Whether ``req_id``'s plans may load from ``child``: any child with a prior set or
         a load timed; a cold one only while no other request's load on it awaits its time."""
         if not self.loads[child].cold:
             return True
-        return not any(e.child == child and e.req_id != req_id for e in self.expected.values())
+        sync, in_flight = self._sync[child], self._async[child]
+        return len(sync) + len(in_flight) == (req_id in sync) + (req_id in in_flight)
 
     def compute_s(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s
@@ -190,25 +203,29 @@ class Costs:
     def expect(
         self, req_id: str, child: int, tokens: int, predicted_s: float, is_async: bool
     ) -> None:
-        self.expected[(req_id, child)] = Expected(
+        waiting = (self._async if is_async else self._sync)[child]
+        waiting[req_id] = Expected(
             req_id, child, tokens, predicted_s, is_async, self.clock(), self.steps
         )
 
     def forget(self, req_id: str, *, in_flight_only: bool = False) -> None:
         """The request's loads will not be timed (a 0 grant; a finish before an async load's
         receive: a sync load's time still comes with its step's output)."""
-        for key in [k for k in self.expected if k[0] == req_id]:
-            if not in_flight_only or self.expected[key].is_async:
-                del self.expected[key]
+        for child in range(len(self.loads)):
+            self._async[child].pop(req_id, None)
+            if not in_flight_only:
+                self._sync[child].pop(req_id, None)
 
     def timed(self, times: Mapping[tuple[str, int], float]) -> list[tuple[Expected, float]]:
         """The worker half's times of loads: each fits its child's estimate. Returns the
         (expected, seconds) pairs for the decision log and metrics."""
         done = []
-        for key, seconds in times.items():
-            expected = self.expected.pop(key, None)
+        for (req_id, child), seconds in times.items():
+            if not 0 <= child < len(self.loads):
+                continue
+            expected = self._sync[child].pop(req_id, None) or self._async[child].pop(req_id, None)
             if expected is not None:
-                self.loads[expected.child].observe(expected.tokens, seconds)
+                self.loads[child].observe(expected.tokens, seconds)
                 done.append((expected, seconds))
                 if not expected.is_async:
                     self._sync_load_s += seconds
@@ -229,6 +246,7 @@ class Costs:
         self._sync_load_s = 0.0
         self.steps += 1
         # a sync load's time came with its step's output, or never will (its child raised)
-        stale = [k for k, e in self.expected.items() if not e.is_async and e.step < self.steps - 1]
-        for key in stale:
-            del self.expected[key]
+        for waiting in self._sync:
+            if waiting:
+                for req_id in [r for r, e in waiting.items() if e.step < self.steps - 1]:
+                    del waiting[req_id]
