@@ -9,10 +9,11 @@ Three estimates, each from where it is seen:
 - **a child's queue**: the predicted time still left of its async loads in flight (a new load
   waits behind them: loads on one child add up);
 - **a cold child** (no ``expect_read``, fewer than ``PROBES`` loads timed) takes one load at
-  a time, and a short one where it can be cut (``LoadCost.probe_tokens``: 128 tokens, then
+  a time, and a short one where it can be cut (``Costs.probe_tokens``: 128 tokens, then
   512): its default prior is a guess, and a guess wrong by 100x would otherwise send every
   request looked up before its first times come back to it, each with its whole hit; two
-  sizes fit its line (``Costs.usable``, ``LoadCost.cold``);
+  sizes fit its line. A first probe that beats computing even read as all rate (the worst
+  case for a longer load) ends the probing (``Costs.cold``, ``Costs.usable``);
 - **the engine's prefill**: tokens per second over the engine's own steps, the tokens each
   step scheduled over the time from its ``build_connector_meta`` to the next one's (the
   scheduler side sees every step), less the time its sync loads took (timed by the worker
@@ -76,6 +77,8 @@ class LoadCost:
     measured: int = 0
     #: the prior was set (``expect_read``), not the documented default
     prior_given: bool = False
+    #: the slowest timed load read as all rate (tokens / its seconds): a bound for longer loads
+    worst_tokens_per_s: float = math.inf
     # weighted sums of x = tokens, y = seconds over the timed loads
     _w: float = 0.0
     _x: float = 0.0
@@ -89,11 +92,6 @@ class LoadCost:
         loads timed."""
         return not self.prior_given and self.measured < PROBES
 
-    @property
-    def probe_tokens(self) -> int | None:
-        """The most a cold child's next load may take (where it can be cut); None if warm."""
-        return PROBE_TOKENS * 4**self.measured if self.cold else None
-
     def predict(self, tokens: int) -> float:
         return self.latency_s + tokens / self.tokens_per_s
 
@@ -101,6 +99,8 @@ class LoadCost:
         if tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
         self.measured += 1
+        if seconds > 0:
+            self.worst_tokens_per_s = min(self.worst_tokens_per_s, tokens / seconds)
         w = self._w = self._w * DECAY + 1.0
         x, y = float(tokens), seconds
         self._x = self._x * DECAY + x
@@ -188,10 +188,23 @@ class Costs:
         now = self.clock()
         return sum(max(0.0, e.predicted_s - (now - e.since)) for e in self._async[child].values())
 
+    def cold(self, child: int) -> bool:
+        """``LoadCost.cold``, unless one probe already shows loading beats computing: its
+        tokens over its whole time (latency read as rate, so a longer load can only do
+        better) faster than the engine's prefill."""
+        load = self.loads[child]
+        if not load.cold:
+            return False
+        return not (load.measured and load.worst_tokens_per_s > self.prefill_tokens_per_s)
+
+    def probe_tokens(self, child: int) -> int | None:
+        """The most a cold child's next load may take (where it can be cut); None if warm."""
+        return PROBE_TOKENS * 4 ** self.loads[child].measured if self.cold(child) else None
+
     def usable(self, child: int, req_id: str) -> bool:
-        """Whether ``req_id``'s plans may load from ``child``: any child with a prior set or
-        a load timed; a cold one only while no other request's load on it awaits its time."""
-        if not self.loads[child].cold:
+        """Whether ``req_id``'s plans may load from ``child``: any child but a cold one; a
+        cold one only while no other request's load on it awaits its time."""
+        if not self.cold(child):
             return True
         sync, in_flight = self._sync[child], self._async[child]
         return len(sync) + len(in_flight) == (req_id in sync) + (req_id in in_flight)

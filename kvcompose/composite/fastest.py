@@ -13,9 +13,9 @@ them, but in any order and with any child left out:
 A plan's predicted time (``kvcompose.composite.costs``): its sync segments one after the other,
 its async segments in parallel, each after its child's queue, then the prefill of what is
 left. The cheapest wins; ties go to the plan found first (recompute first), so loading must
-pay to be chosen. A cold child (``LoadCost.cold``) with another request's load awaiting its
+pay to be chosen. A cold child (``Costs.cold``) with another request's load awaiting its
 time is left out (``Costs.usable``), and its segment, where it can be cut, ends at most
-``LoadCost.probe_tokens`` after its start (rounded up to its alignment): its first times are
+``Costs.probe_tokens`` after its start (rounded up to its alignment): its first times are
 bought with short loads.
 """
 
@@ -131,7 +131,7 @@ def _plans(
             if pos % align or pos % block_size:
                 continue
             ends = _ends(hit, pos, support, by_child, used, supports, block_size)
-            probe_tokens = costs.loads[hit.child].probe_tokens
+            probe_tokens = costs.probe_tokens(hit.child)
             if probe_tokens is not None and support.can_cut:
                 unit = math.lcm(align, block_size)
                 probe = pos + math.ceil(probe_tokens / unit) * unit

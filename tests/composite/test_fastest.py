@@ -145,6 +145,33 @@ def test_a_cold_child_takes_one_load_until_it_is_timed(harness, prior):
     h.assert_clean()
 
 
+@pytest.mark.parametrize(("probe_s", "second"), [(0.0, 704), (0.1, 512)])
+def test_a_probe_that_beats_computing_ends_the_probing(harness, probe_s, second):
+    """a is cold and holds 704 tokens. Its first probe (128 tokens) takes ``probe_s``: at
+    0 s it beats computing (2,000 tokens/s) even read as all rate, so the next request loads
+    all 704; at 0.1 s (1,280 tokens/s read as rate) a is still cold and the next load is the
+    second probe, 512 tokens."""
+    a = script("a", Behaviour(tokens=704))
+    h = harness(fastest(native("a")), layer_calls=False)
+    clock = frozen(h)
+    child = h.worker_connector.worker_side.children.connectors[0]
+    loading = child.start_load_kv
+
+    def timed_load(*args: Any, **kwargs: Any) -> None:
+        if h.worker_connector.worker_side.timer.loads_sync(0):
+            clock.t += probe_s
+        loading(*args, **kwargs)
+
+    child.start_load_kv = timed_load
+    told = []
+    for seed in range(2):
+        req = h.add_request(prompt(800, 40 + seed), max_tokens=1)
+        h.run_until_idle()
+        told.append(allocs(a, req.request_id)[0])
+    assert told == [128, second]
+    h.assert_clean()
+
+
 def test_loads_queued_on_one_child_send_later_requests_to_another(harness):
     """Three requests looked up in one step, two async children: a (50 ms a load) and b
     (80 ms). The second request would wait behind the first's load on a, so it goes to b;
