@@ -21,8 +21,8 @@ Three estimates, each from where it is seen:
   tokens is not a prefill of 100 tokens/s), counted for steps of at least
   ``MIN_PREFILL_STEP_TOKENS``.
 
-Simplifications, written down in docs/concepts.md: a step's time is all its tokens' (decodes
-and sync loads in it included); a sync load's stall of the other running requests is not
+Simplifications, written down in docs/concepts.md: a step's time, less its sync loads', is
+all its tokens' (its decodes included); a sync load's stall of the other running requests is not
 charged to the plan that chose it; several async segments load in parallel.
 """
 
