@@ -150,11 +150,24 @@ FAST_TIER = {"path": "{tmpfs:fast}", "read_only": True}
 DISK_TIER = {"path": "{store:disk}"}
 
 
+#: ``fastest``'s priors for the two local tiers, as an operator states what they know: the
+#: store reads tmpfs and page-cached disk at 1.7-3.8 GB/s here (benchmarks/results/store_io).
+#: Without them a fresh engine's first request probes each tier (docs/concepts.md).
+LOCAL_TIER_PRIOR = "\n          expect_read: {latency_ms: 1, gbps: 1}"
+
+
 def _kvcompose_yaml(policy: str) -> str:
+    prior = LOCAL_TIER_PRIOR if policy == "fastest" else ""
+    note = (
+        "\n# fastest: both tiers are local, their speeds stated as priors (expect_read); "
+        "without them\n# a fresh engine's first request probes each tier."
+        if prior
+        else ""
+    )
     return f"""\
 # kvcompose chain over two PrefixStoreConnector tiers, policy: {policy}.
 # {{tmpfs:fast}} / {{store:disk}} are replaced by `kvcompose bench` with fresh
-# per-contender directories (tmpfs / disk) that start with the workload's prepared contents.
+# per-contender directories (tmpfs / disk) that start with the workload's prepared contents.{note}
 version: 1
 kv_role: kv_both
 tree:
@@ -166,12 +179,12 @@ tree:
           name: fast
           connector: {STORE_CONNECTOR}
           module_path: {STORE_MODULE}
-          extra_config: {{path: "{FAST_TIER["path"]}", read_only: true}}
+          extra_config: {{path: "{FAST_TIER["path"]}", read_only: true}}{prior}
       - leaf:
           name: disk
           connector: {STORE_CONNECTOR}
           module_path: {STORE_MODULE}
-          extra_config: {{path: "{DISK_TIER["path"]}"}}
+          extra_config: {{path: "{DISK_TIER["path"]}"}}{prior}
 """
 
 
@@ -218,7 +231,8 @@ BUILTIN_CONTENDERS: dict[str, tuple[str, str, str | None]] = {
     "kvcompose-fastest": (
         "kvcompose",
         "kvcompose chain [fast, disk], policy fastest: per request the plan with the least "
-        "predicted TTFT, from measured load and prefill costs",
+        "predicted TTFT, from measured load and prefill costs (the local tiers' speeds given "
+        "as priors)",
         _kvcompose_yaml("fastest"),
     ),
 }
