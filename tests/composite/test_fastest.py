@@ -42,6 +42,29 @@ def frozen(h: Any) -> Clock:
     return clock
 
 
+def loads_take(h: Any, clock: Clock, seconds: float) -> None:
+    """Every sync load of child 0 moves the injected clock by ``seconds`` while it loads."""
+    child = h.worker_connector.worker_side.children.connectors[0]
+    loading = child.start_load_kv
+
+    def timed_load(*args: Any, **kwargs: Any) -> None:
+        if h.worker_connector.worker_side.timer.loads_sync(0):
+            clock.t += seconds
+        loading(*args, **kwargs)
+
+    child.start_load_kv = timed_load
+
+
+def told_for(h: Any, child: Any, prompts: list[list[int]]) -> list[int]:
+    """Each prompt run alone to the end: the tokens ``child`` was allocated for it."""
+    told = []
+    for tokens in prompts:
+        req = h.add_request(tokens, max_tokens=1)
+        h.run_until_idle()
+        told.append(allocs(child, req.request_id)[0])
+    return told
+
+
 def counters(h: Any) -> dict[str, float]:
     return h.connector.stats_totals()["counters"]
 
@@ -98,21 +121,8 @@ def test_measured_loads_replace_the_prior(harness):
     docs/concepts.md.)"""
     a = script("a", Behaviour(tokens=160))
     h = harness(fastest(native("a", expect_read=FAST)), layer_calls=False)
-    clock = frozen(h)
-    child = h.worker_connector.worker_side.children.connectors[0]
-    loading = child.start_load_kv
-
-    def slow_load(*args: Any, **kwargs: Any) -> None:
-        if h.worker_connector.worker_side.timer.loads_sync(0):
-            clock.t += 2.0
-        loading(*args, **kwargs)
-
-    child.start_load_kv = slow_load
-    told = []
-    for seed in range(6):
-        req = h.add_request(prompt(200, 10 + seed), max_tokens=1)
-        h.run_until_idle()
-        told.append(allocs(a, req.request_id)[0])
+    loads_take(h, frozen(h), 2.0)
+    told = told_for(h, a, [prompt(200, 10 + seed) for seed in range(6)])
     costs = h.connector.scheduler_side.costs
     estimate = costs.loads[0]
     assert told[0] == 160 and told[-1] == 0, told
@@ -153,22 +163,8 @@ def test_a_probe_that_beats_computing_ends_the_probing(harness, probe_s, second)
     second probe, 512 tokens."""
     a = script("a", Behaviour(tokens=704))
     h = harness(fastest(native("a")), layer_calls=False)
-    clock = frozen(h)
-    child = h.worker_connector.worker_side.children.connectors[0]
-    loading = child.start_load_kv
-
-    def timed_load(*args: Any, **kwargs: Any) -> None:
-        if h.worker_connector.worker_side.timer.loads_sync(0):
-            clock.t += probe_s
-        loading(*args, **kwargs)
-
-    child.start_load_kv = timed_load
-    told = []
-    for seed in range(2):
-        req = h.add_request(prompt(800, 40 + seed), max_tokens=1)
-        h.run_until_idle()
-        told.append(allocs(a, req.request_id)[0])
-    assert told == [128, second]
+    loads_take(h, frozen(h), probe_s)
+    assert told_for(h, a, [prompt(800, 40 + seed) for seed in range(2)]) == [128, second]
     h.assert_clean()
 
 
