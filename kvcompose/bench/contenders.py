@@ -153,17 +153,18 @@ DISK_TIER = {"path": "{store:disk}"}
 #: ``fastest``'s priors for the two local tiers, as an operator states what they know: the
 #: store reads tmpfs and page-cached disk at 1.7-3.8 GB/s here (benchmarks/results/store_io).
 #: Without them a fresh engine's first request probes each tier (docs/concepts.md).
-LOCAL_TIER_PRIOR = "\n          expect_read: {latency_ms: 1, gbps: 1}"
+LOCAL_TIER_PRIOR = "{latency_ms: 1, gbps: 1}"
 
 
-def _kvcompose_yaml(policy: str) -> str:
-    prior = LOCAL_TIER_PRIOR if policy == "fastest" else ""
-    note = (
-        "\n# fastest: both tiers are local, their speeds stated as priors (expect_read); "
-        "without them\n# a fresh engine's first request probes each tier."
-        if prior
-        else ""
-    )
+def kvcompose_chain_yaml(
+    policy: str, *, note: str = "", disk_options: str = "", priors: tuple[str, str] = ("", "")
+) -> str:
+    """A kvcompose config: a chain of the two store tiers ``fast`` (tmpfs, read-only) and
+    ``disk`` under ``policy``. ``note``: comment lines after the header; ``disk_options``:
+    more of the disk tier's ``extra_config`` (``, emulate_read: {...}``); ``priors``: each
+    tier's ``expect_read`` (a YAML flow mapping, or "" for none). Used by the built-in
+    contenders and the benchmarks that vary them."""
+    fast_prior, disk_prior = (f"\n          expect_read: {p}" if p else "" for p in priors)
     return f"""\
 # kvcompose chain over two PrefixStoreConnector tiers, policy: {policy}.
 # {{tmpfs:fast}} / {{store:disk}} are replaced by `kvcompose bench` with fresh
@@ -179,13 +180,24 @@ tree:
           name: fast
           connector: {STORE_CONNECTOR}
           module_path: {STORE_MODULE}
-          extra_config: {{path: "{FAST_TIER["path"]}", read_only: true}}{prior}
+          extra_config: {{path: "{FAST_TIER["path"]}", read_only: true}}{fast_prior}
       - leaf:
           name: disk
           connector: {STORE_CONNECTOR}
           module_path: {STORE_MODULE}
-          extra_config: {{path: "{DISK_TIER["path"]}"}}{prior}
+          extra_config: {{path: "{DISK_TIER["path"]}"{disk_options}}}{disk_prior}
 """
+
+
+def _kvcompose_yaml(policy: str) -> str:
+    if policy != "fastest":
+        return kvcompose_chain_yaml(policy)
+    return kvcompose_chain_yaml(
+        policy,
+        note="\n# fastest: both tiers are local, their speeds stated as priors (expect_read); "
+        "without them\n# a fresh engine's first request probes each tier.",
+        priors=(LOCAL_TIER_PRIOR, LOCAL_TIER_PRIOR),
+    )
 
 
 BUILTIN_CONTENDERS: dict[str, tuple[str, str, str | None]] = {
