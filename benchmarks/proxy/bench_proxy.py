@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvcompose.testing.pd import free_port
+from kvcompose.testing.ports import free_port
 from kvcompose.testing.scripted_vllm import MODEL, Fabric, Fault, ScriptedVLLM, ServerThread
 
 PROMPT = list(range(10, 138))  # 128 token ids

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompose.engine.process import EngineProcess
+from kvcompose.testing.ports import free_port
 
 #: The bundled libraries the shim links to: (pattern in nixl_cu12.libs, extra link name).
 _SHIM_LIBS = (
@@ -129,13 +130,6 @@ def _environ(env: dict[str, str]) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _port_open(port: int) -> bool:

@@ -18,7 +18,6 @@ injects faults (``drop_calls``) and runs or aborts requests step by step.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +26,7 @@ from kvcompose.engine import probe
 from kvcompose.engine import process as engine_process
 from kvcompose.engine.probe import walk_connectors
 from kvcompose.engine.process import EngineError as EngineError
+from kvcompose.testing.ports import free_port
 
 #: The default P/D connector: NIXL over UCX between host-memory KV buffers.
 NIXL_CPU_CONFIG: dict[str, Any] = {
@@ -38,13 +38,6 @@ NIXL_CPU_CONFIG: dict[str, Any] = {
 
 #: Keep the pair small: each engine holds its KV cache in host memory.
 PD_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EngineProcess(engine_process.EngineProcess):
@@ -95,8 +88,6 @@ class PDPair:
         p_cfg = prefill_config if prefill_config is not None else base
         d_cfg = decode_config if decode_config is not None else base
         p_port, d_port = free_port(), free_port()
-        while d_port == p_port:
-            d_port = free_port()
         common = {**PD_ENGINE_ENV, **(env or {})}
         self.prefill: EngineProcess | None = None
         self.decode: EngineProcess | None = None

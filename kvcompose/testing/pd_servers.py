@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from kvcompose.testing.pd import free_port
+from kvcompose.testing.ports import free_port
 
 #: Engine settings for the tiny model on a few CPU cores.
 SERVER_ENV = {
@@ -88,11 +88,16 @@ class VLLMServer:
                                      start_new_session=True)  # fmt: skip
 
     def wait_ready(self, timeout: float = 400.0) -> None:
+        """Wait until the server answers ``/health``. A server whose listener could not bind
+        (vLLM's ``_nixl_handshake_listener`` dies in its thread, and the server then never
+        reports healthy) fails at once rather than after ``timeout``."""
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n"
                                    f"{self.log_tail()}")  # fmt: skip
+            if "Address already in use" in self.log_tail(lines=400):
+                raise RuntimeError(f"{self.name} could not bind a port:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from kvcompose.engine.process import EngineProcess
-from kvcompose.testing.mooncake import MooncakeCluster, free_port, node_counters
+from kvcompose.testing.mooncake import MooncakeCluster, node_counters
+from kvcompose.testing.ports import free_port
 from kvcompose.testing.trees import chain, kvcompose_config, prefix_store_leaf, prompt
 
 pytestmark = [pytest.mark.engine, pytest.mark.pd, pytest.mark.fleet, pytest.mark.timeout(600)]

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcompose.testing import pd
-from kvcompose.testing.pd import EngineProcess, free_port, is_clean
+from kvcompose.testing.pd import EngineProcess, is_clean
+from kvcompose.testing.ports import free_port
 from kvcompose.testing.trees import chain, kvcompose_config, multiconnector_config
 
 #: NIXL's lease on P's blocks (vLLM's ``kv_lease_duration``, seconds; default 30). Long, so

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvcompose.cli.main import main
-from kvcompose.testing.pd import free_port
+from kvcompose.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
