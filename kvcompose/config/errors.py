@@ -8,7 +8,7 @@ from typing import Any
 
 from kvcompose.config.limits import MAX_LABEL, MAX_LISTED, MAX_MESSAGE
 from kvcompose.tree import describe
-from kvcompose.tree.messages import MAX_SHOWN, did_you_mean, shown
+from kvcompose.tree.messages import MAX_SHOWN, did_you_mean, format_path, shown
 
 __all__ = [
     "ConfigError",
@@ -42,20 +42,6 @@ def shown_list(names: Iterable[Any], limit: int = MAX_LISTED) -> str:
     names = list(names)
     head = ", ".join(str(n) if len(str(n)) <= MAX_SHOWN else shown(str(n)) for n in names[:limit])
     return head + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
-
-
-def format_path(path: Sequence[str | int]) -> str:
-    """``("tree", "chain", "children", 1, "leaf")`` -> ``tree.chain.children[1].leaf``."""
-    out = ""
-    for part in path:
-        if isinstance(part, int) and not isinstance(part, bool):
-            out += f"[{part}]"
-        else:
-            text = str(part)
-            if len(text) > MAX_SHOWN:
-                text = text[:MAX_SHOWN] + "..."
-            out += ("." if out else "") + text
-    return out
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
 
 from kvcompose.tree.fields import describe
 
@@ -46,17 +46,35 @@ def shown(value: Any, limit: int = MAX_SHOWN) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def did_you_mean(word: Any, choices: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` or an empty string."""
+def format_path(path: Iterable[str | int]) -> str:
+    """``("tree", "chain", "children", 1, "leaf")`` -> ``tree.chain.children[1].leaf``."""
+    out = ""
+    for part in path:
+        if isinstance(part, int) and not isinstance(part, bool):
+            out += f"[{part}]"
+        else:
+            text = str(part)
+            if len(text) > MAX_SHOWN:
+                text = text[:MAX_SHOWN] + "..."
+            out += ("." if out else "") + text
+    return out
+
+
+def closest(word: Any, choices: Iterable[str]) -> str | None:
+    """The choice ``word`` was probably meant as (a close spelling, or another case)."""
     if not isinstance(word, str) or len(word) > 4 * MAX_SHOWN:
-        return ""
+        return None
     choices = list(choices)
     matches = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    if not matches:
-        lowered = {c.lower(): c for c in choices}
-        if word.lower() in lowered:
-            matches = [lowered[word.lower()]]
-    return f" (did you mean {matches[0]!r}?)" if matches else ""
+    if matches:
+        return matches[0]
+    return {c.lower(): c for c in choices}.get(word.lower())
+
+
+def did_you_mean(word: Any, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` or an empty string."""
+    meant = closest(word, choices)
+    return f" (did you mean {meant!r}?)" if meant else ""
 
 
 class Wording:
@@ -70,13 +88,11 @@ class Wording:
         """(path, message) for each error: unknown keys first (a typo is usually the cause
         of the rest), and no "missing 'x'" where an unknown key was probably meant as 'x'."""
         errors = exc.errors()
-        meant = set()
-        for err in errors:
-            if err["type"] == "extra_forbidden" and err["loc"]:
-                loc = tuple(err["loc"])
-                match = re.search(r"did you mean '([^']+)'", self.unknown_key(loc))
-                if match:
-                    meant.add((*loc[:-1], match.group(1)))
+        meant = {
+            (*err["loc"][:-1], self.meant(tuple(err["loc"])))
+            for err in errors
+            if err["type"] == "extra_forbidden" and err["loc"]
+        }
         out: list[tuple[Loc, str]] = []
         for err in errors:
             if err["type"] == "missing" and tuple(err["loc"]) in meant:
@@ -94,9 +110,7 @@ class Wording:
     def default(self, err: Any) -> tuple[Loc, str]:
         loc: Loc = tuple(err["loc"])
         kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
-        if loc and loc[-1] == "[key]":  # a mapping key of the wrong type
-            return loc[:-2], f"keys must be strings, got {describe(loc[-2])}"
-        if kind == "invalid_key":
+        if kind == "invalid_key":  # config and proxy data never get here (plain.check_plain)
             return loc[:-1], f"keys must be strings, got {describe(loc[-1])}"
         if kind == "extra_forbidden":
             return loc, self.unknown_key(loc)
@@ -123,46 +137,68 @@ class Wording:
         message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         return loc, message[:1].lower() + message[1:]
 
-    def model_at(self, loc: Loc) -> type[BaseModel] | None:
-        """The model that validates the mapping at ``loc`` (list indexes are skipped)."""
-        model: type[BaseModel] | None = self.root
+    def model_at(self, loc: Loc) -> type[BaseModel] | dict[str, type[BaseModel]] | None:
+        """The model that validates the mapping at ``loc`` or, where a tagged union is (a
+        node: one key, its kind), the model of each tag. List indexes are skipped."""
+        shape: type[BaseModel] | dict[str, type[BaseModel]] | None = self.root
         for part in loc:
-            if model is None:
-                return None
             if isinstance(part, int) and not isinstance(part, bool):
                 continue
-            field = model.model_fields.get(str(part))
-            model = _model_in(field.annotation) if field is not None else None
-        return model
+            if isinstance(shape, dict):
+                shape = shape.get(str(part))
+            elif shape is not None:
+                field = shape.model_fields.get(str(part))
+                shape = _model_in(field.annotation) if field is not None else None
+        return shape
+
+    def allowed(self, loc: Loc) -> list[str]:
+        """The keys the mapping at ``loc`` may hold."""
+        shape = self.model_at(loc)
+        return list(shape.model_fields if isinstance(shape, type) else shape or ())
+
+    def meant(self, loc: Loc) -> str | None:
+        """The key an unknown key at ``loc`` was probably meant as."""
+        return closest(loc[-1], self.allowed(loc[:-1]))
 
     def unknown_key(self, loc: Loc) -> str:
-        model = self.model_at(loc[:-1])
-        allowed = list(model.model_fields) if model is not None else []
         text = f"unknown key {shown(loc[-1])}"
-        hint = did_you_mean(loc[-1], allowed)
-        if not hint and allowed:
-            return f"{text} (allowed: {', '.join(allowed)})"
-        return text + hint
+        meant = self.meant(loc)
+        if meant:
+            return f"{text} (did you mean {meant!r}?)"
+        allowed = self.allowed(loc[:-1])
+        return f"{text} (allowed: {', '.join(allowed)})" if allowed else text
 
     def missing(self, loc: Loc) -> str:
         """``missing required key 'x'``, with the first words of the field's description."""
         model = self.model_at(loc[:-1])
-        field = model.model_fields.get(str(loc[-1])) if model is not None else None
+        field = model.model_fields.get(str(loc[-1])) if isinstance(model, type) else None
         text = f"missing required key {str(loc[-1])!r}"
-        about = re.split(r"[.:] |\.$", field.description or "")[0] if field is not None else ""
+        about = re.split(r"[.:] | \(|\.$", field.description or "")[0] if field else ""
         return f"{text} ({about[:1].lower()}{about[1:]})" if about else text
 
 
 _WRAPPERS = (typing.Union, types.UnionType, list, tuple, typing.Annotated)
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The model inside a field's type (``X | None``, ``list[X]``, ``Annotated[X, ...]``)."""
+def _model_in(annotation: Any) -> type[BaseModel] | dict[str, type[BaseModel]] | None:
+    """The model inside a field's type (``X | None``, ``list[X]``, ``Annotated[X, ...]``);
+    for a union of ``Tag``-ged models, the model of each tag (pydantic puts the tag in
+    an error's ``loc``)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    if typing.get_origin(annotation) in _WRAPPERS:
-        for arg in typing.get_args(annotation):
-            model = _model_in(arg)
-            if model is not None:
-                return model
+    if typing.get_origin(annotation) not in _WRAPPERS:
+        return None
+    args = typing.get_args(annotation)
+    tagged = {
+        meta.tag: arg.__origin__
+        for arg in args
+        for meta in getattr(arg, "__metadata__", ())
+        if isinstance(meta, Tag)
+    }
+    if tagged:
+        return tagged
+    for arg in args:
+        model = _model_in(arg)
+        if model is not None:
+            return model
     return None

@@ -324,8 +324,8 @@ def test_module_entry_point_runs_as_a_program(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert proc.stdout == f"{TIERS}: ok (3 nodes, 2 leaves; vLLM not checked)\n"
     assert proc.stderr == (
-        f"{bad}:2: tree.route: missing required key 'default': a route "
-        "needs a default child, used when no rule matches\n"
+        f"{bad}:2: tree.route: missing required key 'default' (name of the child used "
+        "when no rule matches)\n"
     )
 
 

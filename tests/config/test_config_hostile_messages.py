@@ -79,8 +79,8 @@ def test_nested_kvcompose_trees_are_validated(
         }
     }
     assert from_extra(outer) == (
-        "inner.yaml:2: tree.route: missing required key 'default': a route needs a default "
-        "child, used when no rule matches (in the tree of kv_connector_extra_config: "
+        "inner.yaml:2: tree.route: missing required key 'default' (name of the child used "
+        "when no rule matches) (in the tree of kv_connector_extra_config: "
         "tree.chain.children[1].leaf)"
     )
     Path("inner.yaml").write_text(LEAF)

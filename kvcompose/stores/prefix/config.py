@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvcompose.tree.conditions import RequestCondition
-from kvcompose.tree.messages import Wording
+from kvcompose.tree.messages import Wording, format_path
 
 
 class EmulateRead(BaseModel):
@@ -155,5 +155,5 @@ class PrefixStoreConfig(BaseModel):
             return cls(**extra)
         except ValidationError as exc:
             loc, message = Wording(cls).problems(exc)[0]
-            where = "".join(f"{part}: " for part in (".".join(map(str, loc)),) if part)
+            where = f"{format_path(loc)}: " if loc else ""
             raise ValueError(f"{cls.CONNECTOR}: {where}{message}") from None
