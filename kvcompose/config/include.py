@@ -55,7 +55,7 @@ def including(path: str, referrer: Referrer | None = None) -> Iterator[Source]:
         if referrer is None:
             raise
         raise referrer.error(f"{path}: {exc.items[0].message}") from None
-    source = parse_bytes(raw, path, "json" if path.lower().endswith(".json") else "yaml", path=path)
+    source = parse_bytes(raw, path, path=path)
     token = _LOADING.set((*stack, real))
     try:
         yield source

@@ -44,10 +44,7 @@ class Source:
 def read_file(path: str | os.PathLike) -> Source:
     """Parse a YAML (``.yaml``/``.yml``/anything else) or JSON (``.json``) file."""
     label = os.fspath(path)
-    raw = read_bytes(label)
-    return parse_bytes(
-        raw, label, "json" if label.lower().endswith(".json") else "yaml", path=label
-    )
+    return parse_bytes(read_bytes(label), label, path=label)
 
 
 def read_stream(stream: IO[Any], label: str = STDIN) -> Source:
@@ -56,7 +53,7 @@ def read_stream(stream: IO[Any], label: str = STDIN) -> Source:
     if isinstance(raw, str):  # a text stream without a buffer (tests)
         raw = raw.encode("utf-8", "surrogateescape")
     _check_size(len(raw), label)
-    return parse_bytes(raw, label, "auto")
+    return parse_bytes(raw, label)
 
 
 def read_bytes(path: str) -> bytes:
@@ -126,15 +123,27 @@ def _os_error(exc: OSError) -> str:
     return f"cannot read: {exc.strerror or exc}"
 
 
-def parse_bytes(raw: bytes, label: str, kind: str, *, path: str | None = None) -> Source:
-    """``kind``: ``json``, ``yaml`` or ``auto`` (JSON when the text starts as a JSON object
-    does, ``{"`` or ``{}``)."""
+def parse_bytes(
+    raw: bytes, label: str, kind: str | None = None, *, path: str | None = None
+) -> Source:
+    """The data of a config's bytes and the line of each path. ``kind``: ``json`` or
+    ``yaml``; by default the file's suffix says, and text without a file (standard input)
+    is JSON when it starts as a JSON object does (``{"`` or ``{}``)."""
     text = decode(raw, label)
-    if kind == "auto":
-        kind = "json" if _JSON_START.match(text) else "yaml"
-    source = parse_text(text, label, kind == "json")
-    source.path = path
-    return source
+    if kind is None and path is not None:
+        kind = "json" if path.lower().endswith(".json") else "yaml"
+    json = kind == "json" if kind else bool(_JSON_START.match(text))
+    with gc_paused():
+        try:
+            read = reader.read(text, json)
+        except yaml.YAMLError as exc:
+            raise ConfigError(_syntax_error(exc, text, "JSON" if json else "YAML"), label) from None
+        except RecursionError:
+            raise ConfigError(f"nested more than {MAX_DEPTH} levels deep", label) from None
+        if read is None:
+            raise ConfigError("empty document", label)
+        data, marks = read
+        return Source(data, label, check_plain(data, label, marks=marks), path)
 
 
 _JSON_START = re.compile(r'\s*\{\s*["}]')
@@ -149,27 +158,20 @@ def decode(raw: bytes, label: str) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        column = exc.start - raw.rfind(b"\n", 0, exc.start)
-        raise ConfigError(
-            ErrorItem(
-                (),
-                f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at column {column} cannot be decoded",
-                line,
-            ),
-            label,
-        ) from None
+        before = raw[: exc.start].decode("utf-8")
+        problem = f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at column {{}} cannot be decoded"
+        raise _refused_after(before, problem, label) from None
     nul = text.find("\x00")
     if nul >= 0:
-        line = text.count("\n", 0, nul) + 1
-        column = nul - text.rfind("\n", 0, nul)
-        raise ConfigError(
-            ErrorItem(
-                (), f"NUL byte at column {column}: a config is text, is this a binary file?", line
-            ),
-            label,
-        )
+        problem = "NUL byte at column {}: a config is text, is this a binary file?"
+        raise _refused_after(text[:nul], problem, label)
     return text
+
+
+def _refused_after(before: str, problem: str, label: str) -> ConfigError:
+    """``problem`` (its ``{}`` the column) at the character that follows ``before``."""
+    column = len(before) - before.rfind("\n")
+    return ConfigError(ErrorItem((), problem.format(column), before.count("\n") + 1), label)
 
 
 @contextlib.contextmanager
@@ -184,22 +186,6 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def parse_text(text: str, label: str | None = None, json: bool = False) -> Source:
-    """The data of YAML (or, with ``json``, JSON) text and the line of each path."""
-    with gc_paused():
-        try:
-            read = reader.read(text, json)
-        except yaml.YAMLError as exc:
-            raise ConfigError(_syntax_error(exc, text, "JSON" if json else "YAML"), label) from None
-        except RecursionError:
-            raise ConfigError(f"nested more than {MAX_DEPTH} levels deep", label) from None
-        if read is None:
-            raise ConfigError("empty document", label)
-        data, marks = read
-        linemap = check_plain(data, label, marks=marks)
-    return Source(data, label, linemap, label)
 
 
 def _syntax_error(exc: yaml.YAMLError, text: str, kind: str) -> ErrorItem:
