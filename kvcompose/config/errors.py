@@ -93,17 +93,6 @@ class ConfigError(ValueError):
         """Every problem, one line each."""
         return [_one_line(item.render(self.label)) for item in self.items]
 
-    def relabel(self, label: str | None) -> ConfigError:
-        return ConfigError(self.items, label)
-
-    def with_lines(self, linemap: Mapping[Path, int] | None) -> ConfigError:
-        if not linemap:
-            return self
-        return ConfigError(
-            [ErrorItem(i.path, i.message, i.line or line_for(linemap, i.path)) for i in self.items],
-            self.label,
-        )
-
 
 def _short_label(label: str) -> str:
     """A file name as messages show it: ``''`` for an empty one, a very long one cut in the

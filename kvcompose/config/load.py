@@ -175,13 +175,11 @@ def _parse_internal(data: Any, label: str | None, where: Path) -> Node:
     try:
         return parse_node(data)
     except ValidationError as exc:
-        first = items_from_validation(exc)[0]
-        raise ConfigError(
-            ErrorItem(
-                where, f"malformed internal tree: {format_path(first.path)}: {first.message}"
-            ),
-            label,
-        ) from None
+        raise _malformed(items_from_validation(exc)[0], label, where) from None
+
+
+def _malformed(problem: ErrorItem, label: str | None, where: Path) -> ConfigError:
+    return ConfigError(ErrorItem(where, f"malformed internal tree: {problem.render()}"), label)
 
 
 def _internal(data: Any, label: str | None, where: Path) -> Config:
@@ -189,13 +187,7 @@ def _internal(data: Any, label: str | None, where: Path) -> Config:
     tree = _parse_internal(data, label, where)
     problems = check_tree(tree)
     if problems:
-        raise ConfigError(
-            ErrorItem(
-                where,
-                f"malformed internal tree: {format_path(problems[0].path)}: {problems[0].message}",
-            ),
-            label,
-        )
+        raise _malformed(problems[0], label, where)
     return Config(
         tree=tree,
         label=label,
@@ -237,14 +229,8 @@ def _from_composite_args(
     """A KVCompose ``--kv-transfer-config`` (what ``vllm-args`` prints)."""
     extra = data.get(EXTRA_CONFIG)
     if not isinstance(extra, Mapping):
-        raise ConfigError(
-            ErrorItem(
-                (EXTRA_CONFIG,),
-                f"expected a mapping, got {describe(extra)}",
-                line_for(src.linemap, (EXTRA_CONFIG,)),
-            ),
-            src.label,
-        )
+        message = f"expected a mapping, got {describe(extra)}"
+        raise ConfigError(located(src.linemap, (EXTRA_CONFIG,), message), src.label)
     parent = {k: v for k, v in data.items() if k in TRANSFER_FIELDS and v is not None}
     if TREE_KEY in extra:  # the internal form, in a file: validate it like any document
         tree = _parse_internal(extra[TREE_KEY], src.label, (EXTRA_CONFIG, TREE_KEY))
@@ -325,7 +311,7 @@ def _load(
         try:
             compiled = compile_document(document, override.source, None, identity)
         except ConfigError as exc:
-            raise exc.relabel(override.source) from None
+            raise ConfigError(exc.items, override.source) from None
         applied.append(override.source)
     config = Config(
         tree=compiled.tree,

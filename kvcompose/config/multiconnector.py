@@ -16,11 +16,10 @@ from typing import Any
 
 from kvcompose.config.errors import (
     ConfigError,
-    ErrorItem,
     Path,
     describe,
     did_you_mean,
-    line_for,
+    located,
     shown,
 )
 from kvcompose.config.extra_config import EXTRA_CONFIG
@@ -74,8 +73,7 @@ def document_from_multiconnector(
         return translate(_translate(path, prefix))
 
     def fail(path: Path, message: str) -> ConfigError:
-        real = back(path)
-        return ConfigError(ErrorItem(real, message, line_for(src.linemap, real)), src.label)
+        return ConfigError(located(src.linemap, back(path), message), src.label)
 
     fields = kv_transfer_fields()
     doc: dict[str, Any] = {}
@@ -90,30 +88,16 @@ def document_from_multiconnector(
                 _put_field(doc, key, value)
         extra = data.get(EXTRA_CONFIG)
         if not isinstance(extra, Mapping) or "connectors" not in extra:
-            real = translate(prefix)
-            raise ConfigError(
-                ErrorItem(
-                    real,
-                    f"expected a mapping with 'connectors', got {describe(extra)}",
-                    line_for(src.linemap, real),
-                ),
-                src.label,
-            )
+            message = f"expected a mapping with 'connectors', got {describe(extra)}"
+            raise ConfigError(located(src.linemap, translate(prefix), message), src.label)
         allowed = ["connectors", *EXTRA_KEYS]
     else:
         extra = data
         allowed = ["connectors", *EXTRA_KEYS, *TRANSFER_FIELDS, "transfer_config"]
     for key in extra:
         if key not in allowed:
-            real = translate((*prefix, key))
-            raise ConfigError(
-                ErrorItem(
-                    real,
-                    f"unknown key {shown(key)}{did_you_mean(key, allowed)}",
-                    line_for(src.linemap, real),
-                ),
-                src.label,
-            )
+            message = f"unknown key {shown(key)}{did_you_mean(key, allowed)}"
+            raise ConfigError(located(src.linemap, translate((*prefix, key)), message), src.label)
         if key in EXTRA_KEYS or key in TRANSFER_FIELDS or key == "transfer_config":
             _put_field(doc, key, extra[key])
     doc["tree"] = _chain(extra, fields, fail)

@@ -8,14 +8,13 @@ backoff_s: 0.05          # doubled after each failed attempt, capped at backoff_
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvcompose.config.errors import ConfigError, ErrorItem, describe, line_for
+from kvcompose.config.errors import ConfigError, ErrorItem, describe, located
 from kvcompose.config.source import read_file
 from kvcompose.tree.messages import Wording
 
@@ -101,17 +100,14 @@ def load_proxy_config(path: str | Path | None = None, **overrides: Any) -> Proxy
     UTF-8, duplicate keys refused, lines kept); every problem is a ``ConfigError`` whose
     message is one line naming the file, the line and the key."""
     data: dict[str, Any] = {}
-    label = None
-    linemap = None
+    label, linemap = None, None
     if path is not None:
         source = read_file(path)
-        label, linemap = os.fspath(path), source.linemap
-        if source.data is not None and not isinstance(source.data, dict):
-            raise ConfigError(
-                ErrorItem((), f"expected a mapping at the top level, got {describe(source.data)}"),
-                label,
-            )
-        data.update(source.data or {})
+        label, linemap = source.label, source.linemap
+        if not isinstance(source.data, dict):
+            message = f"expected a mapping at the top level, got {describe(source.data)}"
+            raise ConfigError(message, label)
+        data.update(source.data)
     flags = {k: v for k, v in overrides.items() if v is not None}
     data.update(flags)
     try:
@@ -123,5 +119,5 @@ def load_proxy_config(path: str | Path | None = None, **overrides: Any) -> Proxy
                 flag = f"--{str(loc[0]).replace('_', '-')}"
                 items.append(ErrorItem(loc[1:], f"{flag}: {message}"))
             else:
-                items.append(ErrorItem(loc, message, line_for(linemap, loc)))
+                items.append(located(linemap, loc, message))
         raise ConfigError(items, label) from None
