@@ -28,9 +28,8 @@ Path = tuple[str | int, ...]
 
 
 class LineMap(dict[Path, int]):
-    """The line of each document path, and the original text of the unquoted YAML scalars
-    that YAML 1.1 read as something else than they look (``no`` -> false, ``0123`` -> 83),
-    for a hint in the messages about them."""
+    """The line of each document path, and a hint at the unquoted YAML scalars that YAML 1.1
+    read as something else than they look (``no`` -> false, ``0123`` -> 83)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -115,17 +114,10 @@ def _one_line(text: str) -> str:
 def located(linemap: Mapping[Path, int] | None, path: Path, message: str) -> ErrorItem:
     """A problem at ``path`` with its line, and a hint to quote the value when YAML read an
     unquoted scalar there as a boolean or a number that looks like something else."""
-    text = getattr(linemap, "hints", {}).get(tuple(path))
-    if text is not None:
-        message += (
-            f" (YAML reads the unquoted {text} as a {_yaml_kind(text)}: "
-            f'quote it, "{text}", if you meant the text)'
-        )
+    hint = getattr(linemap, "hints", {}).get(tuple(path))
+    if hint is not None:
+        message += f" ({hint})"
     return ErrorItem(tuple(path), message, line_for(linemap, path))
-
-
-def _yaml_kind(text: str) -> str:
-    return "boolean" if text.lower() in ("yes", "no", "on", "off", "y", "n") else "number"
 
 
 def line_for(linemap: Mapping[Path, int] | None, path: Path) -> int | None:

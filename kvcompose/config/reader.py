@@ -70,7 +70,7 @@ class Marks:
 
     root: int | None = None  # the line of the document; None for data not read from text
     lines: dict[int, dict[Any, int]] = field(default_factory=dict)
-    #: the unquoted text of values YAML 1.1 read as a boolean or a number
+    #: what YAML 1.1 made of the unquoted values it read as a boolean or a number
     hints: dict[int, dict[Any, str]] = field(default_factory=dict)
     #: (key, line, line where it was first set) of each repeated key
     duplicates: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
@@ -98,17 +98,25 @@ def _expect(node: yaml.Node, kind: type[yaml.Node]) -> None:
         )
 
 
-def _surprising(node: yaml.Node) -> bool:
-    """An unquoted scalar that YAML 1.1 reads otherwise than JSON and YAML 1.2 would
-    (``on``/``no`` as booleans, ``0123`` as octal, ``1:30`` in base 60, ``1_000``)."""
+def _surprise(node: yaml.Node) -> str | None:
+    """What YAML 1.1 made of an unquoted scalar it reads otherwise than JSON and YAML 1.2
+    would (``on``/``no`` as booleans, ``0123`` as octal, ``1:30`` in base 60, ``1_000``)."""
     if not isinstance(node, yaml.ScalarNode) or node.style:
-        return False
+        return None
     text, tag = node.value, node.tag.removeprefix(_TAG)
-    return (
+    if (
         (tag == "bool" and text not in _JSON_BOOL)
         or (tag == "int" and not _JSON_INT.fullmatch(text.lstrip("+")))
         or (tag == "float" and not _JSON_FLOAT.fullmatch(text))
-    )
+    ):
+        return _read_as(node, "a boolean" if tag == "bool" else "a number")
+    return None
+
+
+def _read_as(node: yaml.ScalarNode, kind: str) -> str:
+    """The one wording of a YAML 1.1 surprise (see ``errors.located``)."""
+    text = node.value
+    return f'YAML reads the unquoted {text} as {kind}: quote it, "{text}", if you meant the text'
 
 
 class YamlLoader(_Base):  # type: ignore[misc]
@@ -162,8 +170,9 @@ class YamlLoader(_Base):  # type: ignore[misc]
         else by its constructor, with a hint when YAML 1.1 read it otherwise than it looks."""
         if node.tag == _STR and type(node) is yaml.ScalarNode and self.text_ok(node):
             return node.value
-        if _surprising(node):
-            self.doc_marks.hints.setdefault(parent, {})[key] = node.value
+        surprise = _surprise(node)
+        if surprise:
+            self.doc_marks.hints.setdefault(parent, {})[key] = surprise
         return self.construct_object(node)
 
     def text_ok(self, node: yaml.ScalarNode) -> bool:
@@ -179,13 +188,8 @@ class YamlLoader(_Base):  # type: ignore[misc]
         key = self.construct_object(node)
         if isinstance(key, (str, NotJson)):
             return key
-        message = f"keys must be strings, got {describe(key)}"
-        if _surprising(node):
-            message += (
-                f": YAML reads the unquoted key {node.value} as "
-                f'{describe(key).split(" (")[0]}; quote it, "{node.value}"'
-            )
-        return NotJson(message)
+        message, surprise = f"keys must be strings, got {describe(key)}", _surprise(node)
+        return NotJson(f"{message} ({surprise})" if surprise else message)
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> Any:
         digits = sum(c.isdigit() for c in node.value)
@@ -210,10 +214,7 @@ class YamlLoader(_Base):  # type: ignore[misc]
     def construct_not_json(self, node: yaml.Node) -> NotJson:
         kind = _NOT_JSON.get(node.tag.removeprefix(_TAG)) or f"tag {node.tag}"
         if kind == "a date":
-            return NotJson(
-                f"YAML reads the unquoted {node.value} as a date, which is not a JSON value: "
-                f'quote it, "{node.value}"'
-            )
+            return NotJson(_read_as(node, "a date, which is not a JSON value"))
         if isinstance(node, yaml.ScalarNode):
             return NotJson(f"{kind} is not a JSON value: {_PLAIN_JSON} (use a string)")
         return NotJson(
