@@ -126,7 +126,7 @@ class LoadCost:
             self.tokens_per_s = mean_x / mean_y if mean_y > 0 else self.tokens_per_s * 2
 
 
-@dataclass
+@dataclass(slots=True)
 class Expected:
     """A load the scheduler side gave out and expects a time for."""
 
@@ -154,6 +154,7 @@ class Costs:
     _async: list[dict[str, Expected]] = field(default_factory=list)
     _last_step: tuple[float, int] | None = None
     _sync_load_s: float = 0.0  # the sync loads timed since the last step was scheduled
+    _warm_for_good: bool = False  # every child has a prior or PROBES timed loads
 
     def __post_init__(self) -> None:
         self._sync = [{} for _ in self.loads]
@@ -187,6 +188,14 @@ class Costs:
         """The predicted time left of ``child``'s async loads in flight."""
         now = self.clock()
         return sum(max(0.0, e.predicted_s - (now - e.since)) for e in self._async[child].values())
+
+    def any_cold(self) -> bool:
+        """Whether a child may be cold (``cold``): False for good once every child has its
+        prior set or ``PROBES`` loads timed (``LoadCost.cold`` never comes back), so a
+        lookup need not ask per child."""
+        if not self._warm_for_good:
+            self._warm_for_good = not any(load.cold for load in self.loads)
+        return not self._warm_for_good
 
     def cold(self, child: int) -> bool:
         """``LoadCost.cold``, unless one probe already shows loading beats computing: its
@@ -223,11 +232,15 @@ class Costs:
 
     def forget(self, req_id: str, *, in_flight_only: bool = False) -> None:
         """The request's loads will not be timed (a 0 grant; a finish before an async load's
-        receive: a sync load's time still comes with its step's output)."""
-        for child in range(len(self.loads)):
-            self._async[child].pop(req_id, None)
-            if not in_flight_only:
-                self._sync[child].pop(req_id, None)
+        receive: a sync load's time still comes with its step's output). Only the children
+        with loads awaiting their time are looked at (every lookup and finish calls this)."""
+        for waiting in self._async:
+            if waiting:
+                waiting.pop(req_id, None)
+        if not in_flight_only:
+            for waiting in self._sync:
+                if waiting:
+                    waiting.pop(req_id, None)
 
     def timed(self, times: Mapping[tuple[str, int], float]) -> list[tuple[Expected, float]]:
         """The worker half's times of loads: each fits its child's estimate. Returns the

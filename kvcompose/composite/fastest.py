@@ -12,34 +12,72 @@ them, but in any order and with any child left out:
 
 A plan's predicted time (``kvcompose.composite.costs``): its sync segments one after the other,
 its async segments in parallel, each after its child's queue, then the prefill of what is
-left. The cheapest wins; ties go to the plan found first (recompute first), so loading must
-pay to be chosen. A cold child (``Costs.cold``) with another request's load awaiting its
-time is left out (``Costs.usable``), and its segment, where it can be cut, ends at most
+left. The cheapest wins. A plan replaces the best so far only if it is cheaper by more than
+``BETTER_BY`` (a billionth) of it: plans whose predictions differ by floating-point rounding
+alone are ties, and ties go to the plan found first (recompute first), so loading must pay
+to be chosen. A cold child (``Costs.cold``) with another request's load awaiting its time is
+left out (``Costs.usable``), and its segment, where it can be cut, ends at most
 ``Costs.probe_tokens`` after its start (rounded up to its alignment): its first times are
 bought with short loads.
+
+**The search** (``Planner.choose``) is a depth-first walk of the plans in one fixed order
+(recompute, then each child's segment from ``local`` in the chain's order, each followed by
+its extensions), pricing each plan as it extends the one before it: a segment adds its load
+to the running sums, so a plan costs one addition, not a pass over its segments, and no plan
+is built as an object unless it becomes the best so far. A subtree is skipped when no plan in
+it can replace the best so far (``_Walk._bound``): its sums only grow, it computes at least
+what the longest hit leaves, and, every hit sync, every token it loads loads at best at the
+fastest child's rate. Where children hold prefixes of one another at similar prices, the
+longest hit's segment reaches that bound and nothing else is looked at; where every hit is
+sync and every child warm, that first level runs inline (``Planner._scan``) and the walk only
+starts if an extension cannot be skipped. A miss, and one child answering, are answered
+without the walk. The answer is the full enumeration's (every plan priced from scratch in
+the walk's order, the first best by the rule above kept), which
+``tests/composite/test_fastest_search.py`` keeps as its reference and checks the search
+against on random hits, modes, alignments and costs, with the plans weighed (the decision
+log's list, built only when asked for: the walk then skips nothing) in the same order.
+
+Ties are rounding-wide, not exact, because exact float ties cannot be searched fast: with
+equal priors, one child's 80 tokens and another's 64 plus the first's last 16 cost the same
+in exact arithmetic and differ by rounding either way, so the plan an exact comparison keeps
+depends on rounding in every such plan, and all of them would have to be priced (the
+enumeration before this search did; it could pick a stitch for a 1-ulp gain). Why not a
+dynamic program over segment boundaries (the cheapest way to reach each, then the rest
+computed): a child loads at most one segment of a plan, so a boundary's state also holds the
+children used, and with a few children there are about as many such states as plans.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvcompose.composite.costs import Costs
 from kvcompose.tree.ranges import RangeSupport
 
+#: Modes whose segment can only be the plan's last: it loads to its own end.
+_LAST = ("sole_owner", "last_segment")
+#: A plan replaces the best so far only if it is cheaper by more than this share of it: plans
+#: whose predictions differ by less (rounding: one child's 80 tokens, or another's 64 and the
+#: first's last 16, at equal priors) are ties, and ties go to the plan found first.
+BETTER_BY = 1e-9
+_KEEP = 1 - BETTER_BY
+#: The share of a subtree's bound, computed in floating point, that its plans surely cost.
+_SAFE = 1 - 1e-12
 
-@dataclass(frozen=True, slots=True)
-class Hit:
-    """A child's answer at ``local``: it holds the request's tokens up to ``end``."""
+
+class Hit(NamedTuple):
+    """A child's answer at ``local``: it holds the request's tokens up to ``end``. (Named
+    tuples: a lookup makes one per hit, and a tuple is made many times faster than a frozen
+    dataclass.)"""
 
     child: int
     end: int
     is_async: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Part:
+class Part(NamedTuple):
     """``child`` loads ``[start, end)``."""
 
     child: int
@@ -48,13 +86,11 @@ class Part:
     is_async: bool
 
 
-def kind_of(segments: int) -> str:
-    """A plan's kind by its number of segments (the ``plans.<kind>`` counters)."""
-    return ("recompute", "load", "stitch")[min(segments, 2)]
+#: The ``plans.<kind>`` counter of a plan, by its number of segments (0, 1, 2 or more).
+PLAN_COUNTERS = ("plans.recompute", "plans.load", "plans.stitch")
 
 
-@dataclass(frozen=True, slots=True)
-class Choice:
+class Choice(NamedTuple):
     parts: tuple[Part, ...]
     predicted_s: float
 
@@ -63,104 +99,360 @@ class Choice:
         return f"{plan or 'recompute'} {self.predicted_s * 1000:.1f} ms"
 
 
-def predict(parts: Sequence[Part], num_tokens: int, local: int, costs: Costs) -> float:
-    """The plan's predicted time to first token (see the module docstring)."""
-    sync = 0.0
-    waits = 0.0
-    for p in parts:
-        load = costs.loads[p.child].predict(p.end - p.start)
-        if p.is_async:
-            waits = max(waits, costs.queue_s(p.child) + load)
-        else:
-            sync += load
-    end = parts[-1].end if parts else local
-    return sync + waits + costs.compute_s(num_tokens - end)
+class Planner:
+    """The plan search of one ``fastest`` node: what its children's range modes allow is fixed
+    (``supports``, ``block_size``), so it is worked out once, not per lookup."""
+
+    def __init__(self, supports: Sequence[RangeSupport], block_size: int) -> None:
+        self.supports = tuple(supports)
+        self.block_size = block_size
+        # per child: its mode, whether its segment ends a plan, its unit (a segment of it
+        # starts on a multiple), whether it can be cut short
+        self.static = tuple(
+            (s.mode, s.mode in _LAST, math.lcm(s.align or block_size, block_size), s.can_cut)
+            for s in self.supports
+        )
+        #: the children's units: a hit ending on every one of them is never cut for another
+        self.units = tuple(sorted({unit for _, _, unit, _ in self.static}))
+
+    def choose(
+        self,
+        req_id: str,
+        hits: Sequence[Hit],
+        local: int,
+        num_tokens: int,
+        costs: Costs,
+        weighed: list[Choice] | None = None,
+    ) -> Choice:
+        """The cheapest plan. ``weighed``, if given, receives every plan weighed (for the
+        decision log), in the walk's order, and then no subtree is skipped."""
+        cold = costs.any_cold()
+        if cold:
+            usable = costs.usable
+            hits = [h for h in hits if usable(h[0], req_id)]
+        recompute = (num_tokens - local) / costs.prefill_tokens_per_s
+        if weighed is not None:
+            weighed.append(Choice((), recompute))
+        elif len(hits) == 1:
+            return self._one(hits[0], local, num_tokens, costs, recompute)
+        if not hits:
+            return Choice((), recompute)
+        if weighed is None and not cold:
+            found = self._scan(hits, local, num_tokens, costs, recompute)
+            if found is not None:
+                return found
+        return _Walk(self, hits, local, num_tokens, costs, weighed).run(recompute)
+
+    def _scan(
+        self, hits: Sequence[Hit], local: int, num_tokens: int, costs: Costs, recompute_s: float
+    ) -> Choice | None:
+        """The walk's first level inline, where every hit is sync and warm: each child's
+        segment from ``local`` priced in the walk's order, and its extensions skipped by the
+        walk's bound (``_Walk._bound``), every number as the walk computes it. None (the walk
+        decides) as soon as an extension cannot be skipped, or a segment could be cut for
+        another child. Where children hold prefixes of one another at similar prices, the
+        longest hit's segment reaches the bound and no stitch need be looked at."""
+        loads = costs.loads
+        prefill = costs.prefill_tokens_per_s
+        if prefill <= 0:
+            return None
+        longest = 0
+        fastest_rate = 0.0
+        for child, end, is_async in hits:
+            load = loads[child]
+            if is_async or load.latency_s < 0 or load.tokens_per_s <= 0:
+                return None
+            longest = max(longest, end)
+            fastest_rate = max(fastest_rate, load.tokens_per_s)
+        floor_s = (num_tokens - longest) / prefill
+        bound = min((num_tokens - local) / prefill, (longest - local) / fastest_rate + floor_s)
+        bound *= _SAFE
+        best_s = recompute_s
+        best: tuple[Part, ...] = ()
+        static, units = self.static, self.units
+        for child, end, _ in hits:
+            if bound >= best_s * _KEEP:
+                break  # no plan left can replace the best so far
+            _, last, unit, can_cut = static[child]
+            if local % unit:
+                continue
+            if can_cut and end < longest and any(end % u for u in units):
+                return None  # it may be cut for another child: the walk weighs those ends
+            load = loads[child]
+            sync = 0.0 + (load.latency_s + (end - local) / load.tokens_per_s)
+            total = sync + 0.0 + (num_tokens - end) / prefill
+            if total < best_s * _KEEP:
+                best, best_s = (Part(child, local, end, False),), total
+            if last or end >= longest:
+                continue
+            rest = min((num_tokens - end) / prefill, (longest - end) / fastest_rate + floor_s)
+            if (sync + rest) * _SAFE < best_s * _KEEP:
+                return None  # its extensions might replace the best: the walk looks
+        return Choice(best, best_s)
+
+    def _scan(
+        self, hits: Sequence[Hit], local: int, num_tokens: int, costs: Costs, recompute_s: float
+    ) -> Choice | None:
+        """The walk's first level inline, where every hit is sync and warm: each child's
+        segment from ``local`` priced in the walk's order, and its extensions skipped by the
+        walk's bound (``_Walk._bound``), every number as the walk computes it. None (the walk
+        decides) as soon as an extension cannot be skipped, or a segment could be cut for
+        another child. Where children hold prefixes of one another at similar prices, the
+        longest hit's segment reaches the bound and no stitch need be looked at."""
+        loads = costs.loads
+        prefill = costs.prefill_tokens_per_s
+        if prefill <= 0:
+            return None
+        longest = 0
+        fastest_rate = 0.0
+        for child, end, is_async in hits:
+            load = loads[child]
+            if is_async or load.latency_s < 0 or load.tokens_per_s <= 0:
+                return None
+            longest = max(longest, end)
+            fastest_rate = max(fastest_rate, load.tokens_per_s)
+        floor_s = (num_tokens - longest) / prefill
+        bound = min((num_tokens - local) / prefill, (longest - local) / fastest_rate + floor_s)
+        bound *= _SAFE
+        best_s = recompute_s
+        best: tuple[Part, ...] = ()
+        static, units = self.static, self.units
+        for child, end, _ in hits:
+            if bound >= best_s * _KEEP:
+                break  # no plan left can replace the best so far
+            _, last, unit, can_cut = static[child]
+            if local % unit:
+                continue
+            if can_cut and end < longest and any(end % u for u in units):
+                return None  # it may be cut for another child: the walk weighs those ends
+            load = loads[child]
+            sync = 0.0 + (load.latency_s + (end - local) / load.tokens_per_s)
+            total = sync + 0.0 + (num_tokens - end) / prefill
+            if total < best_s * _KEEP:
+                best, best_s = (Part(child, local, end, False),), total
+            if last or end >= longest:
+                continue
+            rest = min((num_tokens - end) / prefill, (longest - end) / fastest_rate + floor_s)
+            if (sync + rest) * _SAFE < best_s * _KEEP:
+                return None  # its extensions might replace the best: the walk looks
+        return Choice(best, best_s)
+
+    def _one(
+        self, hit: Hit, local: int, num_tokens: int, costs: Costs, recompute_s: float
+    ) -> Choice:
+        """One child answered: its segment from ``local`` (cut to a probe for a cold child)
+        against recomputing, as the walk would weigh them."""
+        child, end, is_async = hit
+        mode, _, unit, can_cut = self.static[child]
+        if (is_async and mode == "natural_end") or local % unit:
+            return Choice((), recompute_s)
+        if can_cut and (probe_tokens := costs.probe_tokens(child)) is not None:
+            end = min(end, local + math.ceil(probe_tokens / unit) * unit)
+        load = costs.loads[child].predict(end - local)
+        # the walk's sums, to the bit: sync loads add up from 0, async ones wait in parallel
+        sync, waits = (0.0, max(0.0, costs.queue_s(child) + load)) if is_async else (load, 0.0)
+        total = sync + waits + (num_tokens - end) / costs.prefill_tokens_per_s
+        if total < recompute_s * _KEEP:
+            return Choice((Part(child, local, end, is_async),), total)
+        return Choice((), recompute_s)
 
 
-def choose(
-    req_id: str,
-    hits: Sequence[Hit],
-    local: int,
-    num_tokens: int,
-    supports: Sequence[RangeSupport],
-    block_size: int,
-    costs: Costs,
-) -> tuple[Choice, list[Choice]]:
-    """The cheapest plan, and every plan weighed (for the decision log)."""
-    hits = [h for h in hits if costs.usable(h.child, req_id)]
-    weighed = [
-        Choice(parts, predict(parts, num_tokens, local, costs))
-        for parts in _plans(hits, local, supports, block_size, costs)
-    ]
-    best = weighed[0]
-    for choice in weighed[1:]:
-        if choice.predicted_s < best.predicted_s:
-            best = choice
-    return best, weighed
+class _Walk:
+    """The depth-first walk of one lookup's plans (see the module docstring)."""
 
+    __slots__ = (
+        "best",
+        "best_s",
+        "bound_rate",
+        "costs",
+        "floor_s",
+        "hits",
+        "local",
+        "longest",
+        "num_tokens",
+        "planner",
+        "prefill",
+        "prune",
+        "rows",
+        "weighed",
+    )
 
-def _plans(
-    hits: Sequence[Hit],
-    local: int,
-    supports: Sequence[RangeSupport],
-    block_size: int,
-    costs: Costs,
-) -> Iterator[tuple[Part, ...]]:
-    """Every plan the range modes allow, recompute first (depth first after it)."""
-    by_child = {h.child: h for h in hits}
+    def __init__(
+        self,
+        planner: Planner,
+        hits: Sequence[Hit],
+        local: int,
+        num_tokens: int,
+        costs: Costs,
+        weighed: list[Choice] | None,
+    ) -> None:
+        loads = costs.loads
+        prefill = costs.prefill_tokens_per_s
+        longest = 0
+        any_async = False
+        fastest_rate = 0.0
+        cheap = prefill > 0  # every load costs at least 0: a plan's sums only grow
+        for child, end, is_async in hits:
+            load = loads[child]
+            longest = max(longest, end)
+            any_async = any_async or is_async
+            fastest_rate = max(fastest_rate, load.tokens_per_s)
+            cheap = cheap and load.latency_s >= 0 and load.tokens_per_s > 0
+        self.planner = planner
+        self.costs = costs
+        self.hits = hits
+        #: each hit's row (``_row``), made when the walk first reaches it
+        self.rows: list[tuple | None] = [None] * len(hits)  # type: ignore[type-arg]
+        self.local = local
+        self.num_tokens = num_tokens
+        self.prefill = prefill
+        self.weighed = weighed
+        self.prune = weighed is None and cheap
+        self.longest = longest
+        # no plan ends after the longest hit: what it leaves is computed in any plan
+        self.floor_s = (num_tokens - longest) / prefill if prefill > 0 else 0.0
+        # all sync: every token a plan loads after a point loads at the fastest rate at best
+        self.bound_rate = 0.0 if any_async else fastest_rate
+        self.best: tuple[tuple[int, int, int, bool], ...] = ()
+        self.best_s = 0.0
 
-    def extend(pos: int, parts: tuple[Part, ...]) -> Iterator[tuple[Part, ...]]:
-        yield parts
-        if parts and supports[parts[-1].child].mode in ("sole_owner", "last_segment"):
-            return  # it loads to its own end: nothing after it
-        used = {p.child for p in parts}
-        any_async = any(p.is_async for p in parts)
-        sync_only = any(supports[p.child].mode == "natural_end" for p in parts)
-        for hit in hits:
-            support = supports[hit.child]
-            mode = support.mode
-            if hit.child in used or hit.end <= pos:
+    def _row(self, i: int) -> tuple:  # type: ignore[type-arg]
+        """What every extension by hit ``i`` reads: its bit among the hits, child, end,
+        async, mode, whether it ends a plan, its unit, its load's line, its queue (async),
+        its probe length (a cold child that can be cut) and its cuts (the last start of each
+        later-ending child below its end, on that child's unit)."""
+        hits, costs, static = self.hits, self.costs, self.planner.static
+        child, end, is_async = hits[i]
+        mode, last, unit, can_cut = static[child]
+        load = costs.loads[child]
+        probe = None
+        cuts: tuple[tuple[int, int], ...] = ()
+        if can_cut:
+            if (probe_tokens := costs.probe_tokens(child)) is not None:
+                probe = math.ceil(probe_tokens / unit) * unit
+            if end < self.longest:
+                cuts = tuple(
+                    (1 << j, end // static[o[0]][2] * static[o[0]][2])
+                    for j, o in enumerate(hits)
+                    if o[1] > end
+                )
+        row = (
+            1 << i,
+            child,
+            end,
+            is_async,
+            mode,
+            last,
+            unit,
+            load.latency_s,
+            load.tokens_per_s,
+            costs.queue_s(child) if is_async else 0.0,
+            probe,
+            cuts,
+        )
+        self.rows[i] = row
+        return row
+
+    def _bound(self, pos: int, sync: float, waits: float) -> float:
+        """The least a plan extending one that ends at ``pos`` (sums ``sync``, ``waits``) can
+        cost, in exact arithmetic: its sums only grow, and it computes at least what the
+        longest hit leaves; all sync, its tokens from ``pos`` to its end ``E`` load at the
+        fastest child's rate at best, so it costs at least ``sync + (E - pos) / rate +
+        (n - E) / prefill``, least at ``E = pos`` or at the longest hit."""
+        if not self.bound_rate:
+            return sync + waits + self.floor_s
+        computed = (self.num_tokens - pos) / self.prefill
+        loaded = (self.longest - pos) / self.bound_rate + self.floor_s
+        return sync + min(computed, loaded)
+
+    def run(self, recompute_s: float) -> Choice:
+        """The cheapest plan, recompute (``recompute_s``) the first weighed."""
+        self.best_s = recompute_s
+        local = self.local
+        bound = self._bound(local, 0.0, 0.0) if self.prune else 0.0
+        self._extend(local, 0, False, False, 0.0, 0.0, (), bound)
+        return Choice(tuple(Part(*p) for p in self.best), self.best_s)
+
+    def _extend(
+        self,
+        pos: int,
+        used: int,
+        any_async: bool,
+        sync_only: bool,
+        sync: float,
+        waits: float,
+        parts: tuple[tuple[int, int, int, bool], ...],
+        bound: float,
+    ) -> None:
+        """Every plan that extends ``parts`` (ending at ``pos``), each priced, then extended
+        in turn; none once ``bound`` (``_bound``, when pruning) shows that no plan extending
+        ``parts`` can replace the best so far."""
+        num_tokens, prefill, weighed, prune = (
+            self.num_tokens,
+            self.prefill,
+            self.weighed,
+            self.prune,
+        )
+        bound *= _SAFE
+        first = not parts
+        rows = self.rows
+        for i, (_, hit_end, _) in enumerate(self.hits):
+            if prune and bound >= self.best_s * _KEEP:
+                return  # nothing extending ``parts`` can replace the best so far
+            if hit_end <= pos:
                 continue
-            if mode == "sole_owner" and parts:
+            (
+                bit,
+                child,
+                hit_end,
+                is_async,
+                mode,
+                last,
+                unit,
+                latency,
+                rate,
+                queue,
+                probe,
+                cuts,
+            ) = rows[i] or self._row(i)
+            if used & bit or pos % unit:
                 continue
-            if mode == "natural_end" and any_async:
+            if mode == "sole_owner" and not first:
                 continue
-            if hit.is_async and (sync_only or mode == "natural_end"):
+            if mode == "natural_end" and (any_async or is_async):
                 continue
-            align = support.align or block_size
-            if pos % align or pos % block_size:
+            if is_async and sync_only:
                 continue
-            ends = _ends(hit, pos, support, by_child, used, supports, block_size)
-            probe_tokens = costs.probe_tokens(hit.child)
-            if probe_tokens is not None and support.can_cut:
-                unit = math.lcm(align, block_size)
-                probe = pos + math.ceil(probe_tokens / unit) * unit
-                if hit.end > probe:
-                    ends = [e for e in ends if e < probe] + [probe]
+            ends = [hit_end]
+            for other, cut in cuts:
+                if not used & other and pos < cut < hit_end and cut not in ends:
+                    ends.append(cut)
+            if probe is not None and hit_end > pos + probe:
+                ends = [e for e in ends if e < pos + probe] + [pos + probe]
             for end in ends:
-                yield from extend(end, (*parts, Part(hit.child, pos, end, hit.is_async)))
-
-    yield from extend(local, ())
-
-
-def _ends(
-    hit: Hit,
-    pos: int,
-    support: RangeSupport,
-    by_child: dict[int, Hit],
-    used: set[int],
-    supports: Sequence[RangeSupport],
-    block_size: int,
-) -> list[int]:
-    """Where a segment of ``hit`` from ``pos`` may end: its hit's end, and, if it can be cut,
-    the last start another unused child could take after it (on that child's alignment)."""
-    ends = [hit.end]
-    if support.can_cut:
-        for other in by_child.values():
-            if other.child == hit.child or other.child in used or other.end <= hit.end:
-                continue
-            step = math.lcm(supports[other.child].align or block_size, block_size)
-            cut = hit.end // step * step
-            if pos < cut < hit.end and cut not in ends:
-                ends.append(cut)
-    return ends
+                load = latency + (end - pos) / rate
+                if is_async:
+                    s, w = sync, max(waits, queue + load)
+                else:
+                    s, w = sync + load, waits
+                plan = (*parts, (child, pos, end, is_async))
+                total = s + w + (num_tokens - end) / prefill
+                if weighed is not None:
+                    weighed.append(Choice(tuple(Part(*p) for p in plan), total))
+                if total < self.best_s * _KEEP:
+                    self.best, self.best_s = plan, total
+                if last or end >= self.longest:
+                    continue  # nothing can follow it
+                after = self._bound(end, s, w) if prune else 0.0
+                if prune and after * _SAFE >= self.best_s * _KEEP:
+                    continue  # nothing extending it can replace the best so far
+                self._extend(
+                    end,
+                    used | bit,
+                    any_async or is_async,
+                    sync_only or mode == "natural_end",
+                    s,
+                    w,
+                    plan,
+                    after,
+                )

@@ -134,6 +134,9 @@ class Lookup:
         self.fixed_candidates = self.policy.candidates(None) if fixed else None  # type: ignore[arg-type]
         self.lookup_timeout_s = tree.lookup_timeout_s
         self.range_supports = child_range_supports(tree)
+        self.planner = (
+            fastest.Planner(self.range_supports, block_size) if costs is not None else None
+        )
         self.debug = logger.isEnabledFor(logging.DEBUG)
         self.lookups: Sequence[Callable[[Request, int], Any]] = ()
         self._asks: tuple[tuple[int, Callable[[Request, int], Any]], ...] | None = None
@@ -147,7 +150,7 @@ class Lookup:
         fixed = self.fixed_candidates
         self._asks = (
             tuple((i, lookups[i]) for i in fixed.children)
-            if fixed is not None and not self.stitching and self.costs is None
+            if fixed is not None and not self.stitching
             else None
         )
         # per child, the last miss it answered, if that was a tuple ``(0, False)``: a child
@@ -284,35 +287,43 @@ class Lookup:
     def _fastest(
         self, request: Request, local: int, hits: list[fastest.Hit], trace: list[str] | None
     ) -> Plan:
-        """``fastest``'s plan: the cheapest (``kvcompose.composite.fastest.choose``), each
-        segment that starts after ``local`` asked again there; an answer that cannot carry
-        the plan ends it there (the rest is recomputed)."""
-        costs = self.costs
-        assert costs is not None
-        choice, weighed = fastest.choose(
+        """``fastest``'s plan: the cheapest (``kvcompose.composite.fastest.Planner``); with a
+        debug trace, every plan weighed is listed in it (the decision log)."""
+        weighed: list[fastest.Choice] | None = [] if trace is not None else None
+        choice = self.planner.choose(  # type: ignore[union-attr]
             request.request_id,
             hits,
             local,
             request.num_tokens,
-            self.range_supports,
-            self.block_size,
-            costs,
+            self.costs,  # type: ignore[arg-type]
+            weighed,
         )
-        if trace is not None:
+        if weighed is not None and trace is not None:
             names = self.children.names
             trace.append("plans: " + "; ".join(c.describe(names) for c in weighed))
-        answered = {h.child: h.end for h in hits}
+        return self._realise(request, local, choice)
+
+    def _realise(self, request: Request, local: int, choice: fastest.Choice) -> Plan:
+        """The chosen plan's segments, each that starts after ``local`` asked again there;
+        an answer that cannot carry the plan ends it there (the rest is recomputed). A part
+        at ``local`` is its child's answer there, or (a child that can be cut) a cut of it:
+        it is taken as planned."""
         plan: list[Segment] = []
         for part in choice.parts:
             support = self.range_supports[part.child]
-            end, is_async = answered[part.child], part.is_async
-            if part.start != local:
-                tokens, is_async = self.ask(part.child, request, part.start)
-                if not tokens or tokens <= 0:
-                    break
-                end = part.start + tokens
-                if not is_async and end >= request.num_tokens:
-                    end = part.start + self._leave_one(part.child, request, part.start, tokens)
+            if part.start == local:
+                plan.append(
+                    Segment(
+                        part.child, local, part.end, part.is_async, support.mode, support.can_cut
+                    )
+                )
+                continue
+            tokens, is_async = self.ask(part.child, request, part.start)
+            if not tokens or tokens <= 0:
+                break
+            end = part.start + tokens
+            if not is_async and end >= request.num_tokens:
+                end = part.start + self._leave_one(part.child, request, part.start, tokens)
             if end < part.end or (end > part.end and not support.can_cut):
                 if end <= part.start or not support.can_cut:
                     break
@@ -321,7 +332,7 @@ class Lookup:
             plan.append(
                 Segment(part.child, part.start, part.end, is_async, support.mode, support.can_cut)
             )
-        self.counters.inc(f"plans.{fastest.kind_of(len(plan))}")
+        self.counters.inc(fastest.PLAN_COUNTERS[min(len(plan), 2)])
         return tuple(plan)
 
     def decide(self, request: Request, local: int, record: LoadRecord | None) -> Answer:
@@ -344,19 +355,7 @@ class Lookup:
             reason += "+deadline"
         if excluded:
             reason += "+fallback"
-        for segment in found:
-            self.counters.hit(segment.child, segment.tokens)
-        if self.costs is not None:
-            self._expect(req_id, found)
-        if len(found) > 1:
-            stitched = self.ledger.decide_stitch(req_id, found, reason, local)
-            tokens, is_async = stitched.tokens, stitched.is_async
-        else:
-            owner, tokens, is_async = (
-                (found[0].child, found[0].tokens, found[0].is_async) if found else (None, 0, False)
-            )
-            if owner is not None or record is not None:
-                self.ledger.decide(req_id, owner, tokens, is_async, reason, local)
+        tokens, is_async = self._record(req_id, found, reason, local, record)
         if trace is not None:
             names = self.children.names
             if len(found) > 1:
@@ -375,6 +374,28 @@ class Lookup:
             )
         return tokens, is_async
 
+    def _record(
+        self, req_id: str, found: Plan, reason: str, local: int, record: LoadRecord | None
+    ) -> tuple[int, bool]:
+        """The decided plan counted, its loads expected (``fastest``) and recorded in the
+        ledger (a plain miss of a request without a record needs none); vLLM's answer."""
+        for segment in found:
+            self.counters.hit(segment.child, segment.tokens)
+        if self.costs is not None:
+            self._expect(req_id, found)
+        if len(found) > 1:
+            stitched = self.ledger.decide_stitch(req_id, found, reason, local)
+            return stitched.tokens, stitched.is_async
+        if found:
+            segment = found[0]
+            self.ledger.decide(
+                req_id, segment.child, segment.tokens, segment.is_async, reason, local
+            )
+            return segment.tokens, segment.is_async
+        if record is not None:
+            self.ledger.decide(req_id, None, 0, False, reason, local)
+        return MISS
+
     def _expect(self, req_id: str, plan: Plan) -> None:
         """``fastest``: each segment's load awaits its time from the worker half."""
         costs = self.costs
@@ -391,6 +412,8 @@ class Lookup:
         asks = self._fast_asks
         if asks is None or request.request_id in self._ledger_ids:
             return self.decide(request, num_computed_tokens, self.ledger.get(request.request_id))
+        if self.costs is not None:
+            return self._answer_fastest(request, num_computed_tokens, asks)
         owner = -1
         tokens = 0
         is_async = False
@@ -442,4 +465,72 @@ class Lookup:
             num_computed_tokens,
         )
         self.counters.hit(owner, tokens)
+        return tokens, is_async
+
+    def _answer_fastest(
+        self,
+        request: Request,
+        local: int,
+        asks: tuple[tuple[int, Callable[[Request, int], Any]], ...],
+    ) -> Answer:
+        """``fastest``'s common case (as ``answer``'s: no record, no debug trace, no child
+        out of lookups): every child asked at ``local`` with ``answer``'s checks, the hits
+        kept as ``plan`` keeps them, the cheapest plan (without the list of every plan
+        weighed, which only the debug trace shows) realised and recorded as ``decide``
+        does. ``tests/composite/test_hot_paths.py`` checks it against ``decide``."""
+        num_tokens = request.num_tokens
+        hits: list[tuple[int, int, bool]] = []
+        pending = False
+        checked_misses = self._checked_misses
+        for child, ask in asks:
+            try:
+                result = ask(request, local)
+            except Exception as exc:
+                self.guard.child_error(child, "get_num_new_matched_tokens", exc)
+                continue  # a miss
+            if result is checked_misses[child]:
+                continue
+            try:
+                n, a = result
+            except Exception:
+                n = a = None
+            if type(n) is not int or (n <= 0 and a) or type(result) is not tuple:
+                n, a = self.guard.normalise_lookup(child, result)
+                if n is None:
+                    pending = True  # the others are still asked, as ``plan`` asks them
+                    continue
+            elif n == 0 and a is False:
+                checked_misses[child] = result
+                continue
+            if n <= 0:
+                continue
+            if not a and local + n >= num_tokens:
+                n = self._leave_one(child, request, local, n)
+                if n <= 0:
+                    continue
+            hits.append((child, local + n, a))  # a ``fastest.Hit``'s fields, made faster
+        req_id = request.request_id
+        if pending:
+            self.ledger.mark_pending(req_id, time.monotonic())
+            return None, False
+        self.counters.lookups += 1
+        costs = self.costs
+        assert costs is not None
+        if not hits:
+            costs.forget(req_id)
+            return MISS
+        choice = self.planner.choose(req_id, hits, local, num_tokens, costs)  # type: ignore[union-attr, arg-type]
+        reason = self.fixed_candidates.reason  # type: ignore[union-attr]
+        if len(choice.parts) != 1:
+            plan = self._realise(request, local, choice)
+            return self._record(req_id, plan, reason, local, None)
+        # one child loads from ``local``: what ``_realise`` and ``_record`` do, without a
+        # segment object (the ledger keeps only its owner)
+        child, _, end, is_async = choice.parts[0]
+        tokens = end - local
+        self.counters.inc(fastest.PLAN_COUNTERS[1])
+        self.counters.hit(child, tokens)
+        costs.forget(req_id)
+        costs.expect(req_id, child, tokens, costs.loads[child].predict(tokens), is_async)
+        self.ledger.decide(req_id, child, tokens, is_async, reason, local)
         return tokens, is_async

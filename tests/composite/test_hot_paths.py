@@ -92,15 +92,33 @@ def _random_behaviour(rng, prompt_len: int) -> Behaviour:
     )
 
 
-@pytest.mark.parametrize("policy", ["first", "longest"])
+#: ``fastest``'s children: native (so stitches are weighed), priors a little slower and
+#: faster than the engine's 2,000 tokens/s with and without latency, so that recompute, loads
+#: and stitches all win some draws.
+FASTEST_PRIORS = (
+    {"latency_ms": 0.0, "gbps": 0.0001},
+    {"latency_ms": 5.0, "gbps": 1000.0},
+    {"latency_ms": 0.0, "gbps": 1000.0},
+)
+
+
+@pytest.mark.parametrize("policy", ["first", "longest", "fastest"])
 def test_the_fast_lookup_answers_as_the_general_rule(harness, policy):
-    """The unrolled common case (``Lookup.answer``) and the general rule (``Lookup.decide``,
-    through ``plan``) give the same answer and record the same owner for the same children's
-    answers, over 300 random draws (each draw asks two request ids, one on each path)."""
+    """The unrolled common case (``Lookup.answer``; ``fastest``'s own) and the general rule
+    (``Lookup.decide``, through ``plan``) give the same answer and record the same owner (and
+    segments, and loads awaiting their time) for the same children's answers, over 300 random
+    draws (each draw asks two request ids, one on each path)."""
     rng = random.Random(20261202)
     names = ("a", "b", "c")
     scripts = [script(n, Behaviour()) for n in names]
-    h = harness(kvcompose_config(chain("root", *(leaf(n) for n in names), policy=policy)))
+    if policy == "fastest":
+        leaves = [
+            leaf(n, load_range="native", expect_read=p)
+            for n, p in zip(names, FASTEST_PRIORS, strict=True)
+        ]
+    else:
+        leaves = [leaf(n) for n in names]
+    h = harness(kvcompose_config(chain("root", *leaves, policy=policy)))
     side = h.connector.scheduler_side
     lookup = side.lookup
     for draw in range(300):
@@ -120,8 +138,29 @@ def test_the_fast_lookup_answers_as_the_general_rule(harness, policy):
             else:
                 answer = lookup.decide(request, local, None)
             record = side.ledger.finished(req_id)
-            answers.append((answer, None if record is None else (record.owner, record.tokens)))
+            segments = (
+                () if record is None else [(g.child, g.start, g.end) for g in record.segments]
+            )
+            expected = None
+            if side.costs is not None:  # fastest: the loads awaiting their time, then none
+                expected = sorted(
+                    (c, e.tokens) for (r, c), e in side.costs.expected.items() if r == req_id
+                )
+                side.costs.forget(req_id)
+            answers.append(
+                (
+                    answer,
+                    None if record is None else (record.owner, record.tokens),
+                    segments,
+                    expected,
+                )
+            )
         assert answers[0] == answers[1], f"draw {draw}: {[s.per_request[fast] for s in scripts]}"
         if answers[0][0][0] and not answers[0][0][1]:
             assert local + answers[0][0][0] < prompt_len  # a sync load leaves a token
         side.guard.lookup_errors.clear()
+    if policy == "fastest":  # every kind of plan was chosen (each draw counts twice)
+        plans = h.connector.stats_totals()["counters"]
+        kinds = {k: v for k, v in plans.items() if k.startswith("plans.")}
+        assert kinds["plans.recompute"] >= 20 and kinds["plans.load"] >= 20, kinds
+        assert kinds["plans.stitch"] >= 8, kinds
