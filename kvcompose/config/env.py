@@ -27,7 +27,9 @@ from typing import Any
 
 import yaml
 
+from kvcompose.config import reader
 from kvcompose.config.errors import ConfigError, did_you_mean, shown, shown_list
+from kvcompose.config.plain import check_plain
 from kvcompose.tree import NODE_KINDS, TRANSFER_FIELDS
 
 ENV_CONFIG_FILE = "KVCOMPOSE_CONFIG_FILE"
@@ -45,11 +47,17 @@ class Override:
     value: Any
 
 
-def parse_value(text: str) -> Any:
+def parse_value(text: str, source: str) -> Any:
+    """A YAML value read as files are (``reader``; a repeated key is refused); text YAML
+    cannot read is taken as it is."""
     try:
-        return yaml.safe_load(text) if text.strip() else None
-    except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: 5,000 digits
+        read = reader.read(text)
+    except (yaml.YAMLError, RecursionError):
         return text
+    if read is None:
+        return None
+    check_plain(read[0], source, marks=reader.Marks(duplicates=read[1].duplicates))
+    return read[0]
 
 
 def env_overrides(env: Mapping[str, str]) -> list[Override]:
@@ -75,7 +83,8 @@ def parse_assignments(text: str, source: str) -> list[Override]:
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"{source}: {shown(part)} is not of the form 'node.key=value'")
-        out.append(Override(f"{source} {shown(part)}", key, parse_value(value.strip())))
+        label = f"{source} {shown(part)}"
+        out.append(Override(label, key, parse_value(value.strip(), label)))
     return out
 
 

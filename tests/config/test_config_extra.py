@@ -304,6 +304,16 @@ def test_os_environ_is_the_default(tree_file: str, monkeypatch: pytest.MonkeyPat
             {"KVCOMPOSE_SET": "kv_port=http"},
             "KVCOMPOSE_SET 'kv_port=http': kv_port: expected an integer",
         ),
+        # values are read as files are: a repeated key is refused, a date is worded
+        (
+            {"KVCOMPOSE_SET": "ram.extra_config.x={a: 1, a: 2}"},
+            "KVCOMPOSE_SET 'ram.extra_config.x={a: 1, a: 2}':1: a: duplicate key 'a'",
+        ),
+        (
+            {"KVCOMPOSE_SET": "ram.extra_config.x=2024-01-31"},
+            "KVCOMPOSE_SET 'ram.extra_config.x=2024-01-31': YAML reads the unquoted 2024-01-31 "
+            "as a date, which is not a JSON value",
+        ),
         # the per-field variables of older releases are refused, never silently ignored
         (
             {"KVCOMPOSE_KV_ROLE": "kv_producer"},
