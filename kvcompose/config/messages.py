@@ -32,8 +32,6 @@ class _DocumentWording(Wording):
                 for key in err["input"]
                 if key not in NODE_KINDS
             ]
-        if err["type"] == "kvcompose":  # our own validators' words, as they are
-            return [(loc, err["msg"])]
         if err["type"] == "string_pattern_mismatch" and loc and loc[-1] == "name":
             return [
                 (

@@ -110,6 +110,8 @@ class Wording:
     def default(self, err: Any) -> tuple[Loc, str]:
         loc: Loc = tuple(err["loc"])
         kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
+        if kind == "kvcompose":  # tree.fields.custom_error: our own words, as they are
+            return loc, err["msg"]
         if kind == "invalid_key":  # config and proxy data never get here (plain.check_plain)
             return loc[:-1], f"keys must be strings, got {describe(loc[-1])}"
         if kind == "extra_forbidden":

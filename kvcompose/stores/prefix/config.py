@@ -152,7 +152,7 @@ class PrefixStoreConfig(BaseModel):
                 f"{cls.CONNECTOR}: {moved[0]} is no longer accepted; {cls.MOVED[moved[0]]}"
             )
         try:
-            return cls(**extra)
+            return cls.model_validate(extra)
         except ValidationError as exc:
             loc, message = Wording(cls).problems(exc)[0]
             where = f"{format_path(loc)}: " if loc else ""
