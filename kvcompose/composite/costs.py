@@ -150,7 +150,10 @@ class Costs:
     clock: Callable[[], float] = time.monotonic
     prefill_measured: int = 0
     steps: int = 0
+    # sync loads by the step they were given out in: since the last ``step`` (``_sync``) and
+    # in the step before (``_sync_before``); a step drops the older table whole
     _sync: list[dict[str, Expected]] = field(default_factory=list)
+    _sync_before: list[dict[str, Expected]] = field(default_factory=list)
     _async: list[dict[str, Expected]] = field(default_factory=list)
     _last_step: tuple[float, int] | None = None
     _sync_load_s: float = 0.0  # the sync loads timed since the last step was scheduled
@@ -158,6 +161,7 @@ class Costs:
 
     def __post_init__(self) -> None:
         self._sync = [{} for _ in self.loads]
+        self._sync_before = [{} for _ in self.loads]
         self._async = [{} for _ in self.loads]
 
     @classmethod
@@ -179,7 +183,7 @@ class Costs:
         """Every load awaiting its time, by (request, child) (for tests and the log)."""
         return {
             (e.req_id, e.child): e
-            for waiting in (*self._sync, *self._async)
+            for waiting in (*self._sync_before, *self._sync, *self._async)
             for e in waiting.values()
         }
 
@@ -215,8 +219,10 @@ class Costs:
         cold one only while no other request's load on it awaits its time."""
         if not self.cold(child):
             return True
-        sync, in_flight = self._sync[child], self._async[child]
-        return len(sync) + len(in_flight) == (req_id in sync) + (req_id in in_flight)
+        sync, before, in_flight = self._sync[child], self._sync_before[child], self._async[child]
+        return len(sync) + len(before) + len(in_flight) == (
+            (req_id in sync) + (req_id in before) + (req_id in in_flight)
+        )
 
     def compute_s(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s
@@ -241,6 +247,9 @@ class Costs:
             for waiting in self._sync:
                 if waiting:
                     waiting.pop(req_id, None)
+            for waiting in self._sync_before:
+                if waiting:
+                    waiting.pop(req_id, None)
 
     def timed(self, times: Mapping[tuple[str, int], float]) -> list[tuple[Expected, float]]:
         """The worker half's times of loads: each fits its child's estimate. Returns the
@@ -249,7 +258,11 @@ class Costs:
         for (req_id, child), seconds in times.items():
             if not 0 <= child < len(self.loads):
                 continue
-            expected = self._sync[child].pop(req_id, None) or self._async[child].pop(req_id, None)
+            expected = (
+                self._sync[child].pop(req_id, None)
+                or self._sync_before[child].pop(req_id, None)
+                or self._async[child].pop(req_id, None)
+            )
             if expected is not None:
                 self.loads[child].observe(expected.tokens, seconds)
                 done.append((expected, seconds))
@@ -271,8 +284,7 @@ class Costs:
         self._last_step = (now, scheduled_tokens)
         self._sync_load_s = 0.0
         self.steps += 1
-        # a sync load's time came with its step's output, or never will (its child raised)
-        for waiting in self._sync:
-            if waiting:
-                for req_id in [r for r, e in waiting.items() if e.step < self.steps - 1]:
-                    del waiting[req_id]
+        # a sync load's time came with its step's output, or never will (its child raised):
+        # those given out before the previous step are dropped, a table at a time
+        self._sync_before = self._sync
+        self._sync = [{} for _ in self.loads]

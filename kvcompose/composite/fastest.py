@@ -160,10 +160,13 @@ class Planner:
         fastest_rate = 0.0
         for child, end, is_async in hits:
             load = loads[child]
-            if is_async or load.latency_s < 0 or load.tokens_per_s <= 0:
+            rate = load.tokens_per_s
+            if is_async or load.latency_s < 0 or rate <= 0:
                 return None
-            longest = max(longest, end)
-            fastest_rate = max(fastest_rate, load.tokens_per_s)
+            if end > longest:
+                longest = end
+            if rate > fastest_rate:
+                fastest_rate = rate
         floor_s = (num_tokens - longest) / prefill
         bound = min((num_tokens - local) / prefill, (longest - local) / fastest_rate + floor_s)
         bound *= _SAFE
@@ -207,10 +210,13 @@ class Planner:
         fastest_rate = 0.0
         for child, end, is_async in hits:
             load = loads[child]
-            if is_async or load.latency_s < 0 or load.tokens_per_s <= 0:
+            rate = load.tokens_per_s
+            if is_async or load.latency_s < 0 or rate <= 0:
                 return None
-            longest = max(longest, end)
-            fastest_rate = max(fastest_rate, load.tokens_per_s)
+            if end > longest:
+                longest = end
+            if rate > fastest_rate:
+                fastest_rate = rate
         floor_s = (num_tokens - longest) / prefill
         bound = min((num_tokens - local) / prefill, (longest - local) / fastest_rate + floor_s)
         bound *= _SAFE
