@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from kvcompose.config.errors import ConfigError, ErrorItem, LineMap, Path, describe, shown
 from kvcompose.config.limits import MAX_ALIAS_NODES, MAX_DEPTH, MAX_INT_DIGITS
-from kvcompose.config.reader import Marks, NotJson
+from kvcompose.config.reader import NOT_FINITE, TOO_MANY_DIGITS, Marks, NotJson
 
 _SCALARS = (str, bool, type(None))
 #: Integers with more digits than this are refused (checked by magnitude, not by str()).
@@ -67,11 +67,11 @@ def check_plain(
             return 1
         if isinstance(value, int):
             if abs(value) >= _INT_BOUND:
-                problem(path, f"integer is too large (more than {MAX_INT_DIGITS} digits)")
+                problem(path, TOO_MANY_DIGITS)
             return 1
         if isinstance(value, float):
             if not math.isfinite(value):
-                problem(path, f"{value} is not a JSON value (NaN and infinities have no JSON form)")
+                problem(path, f"{value} {NOT_FINITE}")
             return 1
         if not isinstance(value, (Mapping, list, tuple)):
             problem(

@@ -50,6 +50,9 @@ _NOT_JSON = {
     "pairs": "a !!pairs list",
 }
 _PLAIN_JSON = "kvcompose configs hold plain JSON"
+#: The refusals ``plain`` words the same way for data handed over in Python.
+TOO_MANY_DIGITS = f"integer is too large (more than {MAX_INT_DIGITS} digits)"
+NOT_FINITE = "is not a JSON value (NaN and infinities have no JSON form)"
 
 _Base: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -192,9 +195,9 @@ class YamlLoader(_Base):  # type: ignore[misc]
         return NotJson(f"{message} ({surprise})" if surprise else message)
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> Any:
-        digits = sum(c.isdigit() for c in node.value)
-        if digits > MAX_INT_DIGITS:  # Python refuses to convert them, or takes quadratic time
-            return NotJson(f"integer with {digits} digits is too large (at most {MAX_INT_DIGITS})")
+        # Python refuses to convert thousands of digits, or takes quadratic time
+        if sum(c.isdigit() for c in node.value) > MAX_INT_DIGITS:
+            return NotJson(TOO_MANY_DIGITS)
         return super().construct_yaml_int(node)
 
     def construct_yaml_float(self, node: yaml.ScalarNode) -> Any:
@@ -202,14 +205,8 @@ class YamlLoader(_Base):  # type: ignore[misc]
         if math.isfinite(value):
             return value
         if node.value.lower() in _NOT_FINITE:
-            return NotJson(self.not_finite(node.value))
+            return NotJson(f"{node.value} {NOT_FINITE}; quote it if you meant the text")
         return NotJson(f"number {shown(node.value)} is too large")
-
-    def not_finite(self, text: str) -> str:
-        return (
-            f"{text} is not a JSON value (NaN and infinities have no JSON form); quote it if "
-            "you meant the text"
-        )
 
     def construct_not_json(self, node: yaml.Node) -> NotJson:
         kind = _NOT_JSON.get(node.tag.removeprefix(_TAG)) or f"tag {node.tag}"
@@ -274,9 +271,6 @@ class JsonLoader(YamlLoader):
                     None, None, "a trailing comma is not JSON", _mark(self.text, comma)
                 )
         return None
-
-    def not_finite(self, text: str) -> str:
-        return f"{text} is not valid JSON (NaN and infinities have no JSON form)"
 
 
 def _mark(text: str, index: int) -> yaml.Mark:

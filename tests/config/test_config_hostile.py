@@ -424,12 +424,12 @@ def test_huge_integers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     )
     monkeypatch.chdir(tmp_path)
     assert (
-        load("int.yaml") == "int.yaml:4: tree.leaf.kv_port: integer with 5000 digits is "
-        "too large (at most 100)"
+        load("int.yaml") == "int.yaml:4: tree.leaf.kv_port: integer is too large "
+        "(more than 100 digits)"
     )
     assert (
-        load("int.json") == "int.json:2: tree.leaf.kv_port: integer with 5000 digits is "
-        "too large (at most 100)"
+        load("int.json") == "int.json:2: tree.leaf.kv_port: integer is too large "
+        "(more than 100 digits)"
     )
     assert_clean_error(cli("validate", "int.json", cwd=tmp_path), load("int.json"))
     assert from_extra({"tree": {"leaf": {"connector": "X", "kv_port": int(digits[:200])}}}) == (
@@ -438,10 +438,7 @@ def test_huge_integers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "ok.yaml").write_text(LEAF)
     message = load("ok.yaml", env={"KVCOMPOSE_SET": f"ExampleConnector.kv_port={digits}"})
     assert message.startswith("KVCOMPOSE_SET 'ExampleConnector.kv_port=99999")
-    assert message.endswith(
-        ": tree.leaf.kv_port: expected an integer, got a string "
-        "('9999999999999999999999999999999999999...')"
-    )
+    assert message.endswith("...': integer is too large (more than 100 digits)")
 
 
 @pytest.mark.parametrize(
