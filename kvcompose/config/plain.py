@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from kvcompose.config.errors import ConfigError, ErrorItem, LineMap, Path, describe, shown
 from kvcompose.config.limits import MAX_ALIAS_NODES, MAX_DEPTH, MAX_INT_DIGITS
-from kvcompose.config.reader import NOT_FINITE, TOO_MANY_DIGITS, Marks, NotJson
+from kvcompose.config.reader import NOT_FINITE, TOO_DEEP, TOO_MANY_DIGITS, Marks, NotJson
 
 _SCALARS = (str, bool, type(None))
 #: Integers with more digits than this are refused (checked by magnitude, not by str()).
@@ -35,13 +35,11 @@ class _Stop(Exception):
     """A problem that ends the walk (the data cannot be walked further)."""
 
 
-def check_plain(
-    data: Any, label: str | None, prefix: Path = (), marks: Marks | None = None
-) -> LineMap:
+def check_plain(data: Any, label: str | None, marks: Marks | None = None) -> LineMap:
     """The line of each path (from ``marks``, when the data was read from text); raises
     ``ConfigError`` unless ``data`` is plain JSON data of bounded size and depth."""
     marks = marks or Marks()
-    linemap = LineMap({prefix: marks.root} if marks.root else {})
+    linemap = LineMap({(): marks.root} if marks.root else {})
     problems: list[ErrorItem] = []
     sizes: dict[int, int] = {}  # id(container) -> nodes it stands for, shared ones expanded
     active: set[int] = set()  # containers on the current path
@@ -99,7 +97,7 @@ def check_plain(
                 )
             return sizes[key]
         if depth > MAX_DEPTH:
-            problem(path[: MAX_DEPTH // 4], f"nested more than {MAX_DEPTH} levels deep", stop=True)
+            problem(path[: MAX_DEPTH // 4], TOO_DEEP, stop=True)
         lines = marks.lines.get(key, {})
         for child, line in lines.items():
             linemap[(*path, child)] = line
@@ -113,7 +111,7 @@ def check_plain(
         return None
 
     try:
-        if enter(data, prefix, 0) is None:
+        if enter(data, (), 0) is None:
             while stack:
                 frame = stack[-1]
                 step = next(frame[3], None)

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from kvcompose.config.errors import describe, shown
-from kvcompose.config.limits import MAX_INT_DIGITS
+from kvcompose.config.limits import MAX_DEPTH, MAX_INT_DIGITS
 
 _TAG = "tag:yaml.org,2002:"
 _MERGE = f"{_TAG}merge"
@@ -53,6 +53,7 @@ _PLAIN_JSON = "kvcompose configs hold plain JSON"
 #: The refusals ``plain`` words the same way for data handed over in Python.
 TOO_MANY_DIGITS = f"integer is too large (more than {MAX_INT_DIGITS} digits)"
 NOT_FINITE = "is not a JSON value (NaN and infinities have no JSON form)"
+TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep"
 
 _Base: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 

@@ -25,7 +25,7 @@ import yaml
 
 from kvcompose.config import limits, reader
 from kvcompose.config.errors import ConfigError, ErrorItem, LineMap
-from kvcompose.config.limits import MAX_DEPTH, MAX_FILE_BYTES, size_text
+from kvcompose.config.limits import MAX_FILE_BYTES, size_text
 from kvcompose.config.plain import check_plain
 
 STDIN = "<stdin>"
@@ -139,7 +139,7 @@ def parse_bytes(
         except yaml.YAMLError as exc:
             raise ConfigError(_syntax_error(exc, text, "JSON" if json else "YAML"), label) from None
         except RecursionError:
-            raise ConfigError(f"nested more than {MAX_DEPTH} levels deep", label) from None
+            raise ConfigError(reader.TOO_DEEP, label) from None
         if read is None:
             raise ConfigError("empty document", label)
         data, marks = read
@@ -193,7 +193,7 @@ def _syntax_error(exc: yaml.YAMLError, text: str, kind: str) -> ErrorItem:
     problem = getattr(exc, "problem", None) or str(exc)
     line = mark.line + 1 if mark is not None else None
     if "maximum nesting depth" in problem:  # libyaml's own limit (1000)
-        return ErrorItem((), f"nested more than {MAX_DEPTH} levels deep", line)
+        return ErrorItem((), reader.TOO_DEEP, line)
     found = text[mark.index] if mark is not None and mark.index < len(text) else " "
     parsing = not isinstance(exc, yaml.constructor.ConstructorError)
     if parsing and "'" not in problem and not found.isspace():  # libyaml does not say it
