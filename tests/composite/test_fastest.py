@@ -233,3 +233,31 @@ def test_the_engines_prefill_speed_is_measured_from_its_steps():
         clock.t += 2.0
         costs.step(400)
     assert costs.prefill_tokens_per_s == pytest.approx(200.0, rel=0.01)
+
+
+def test_the_debug_decision_log_lists_every_plan_weighed(harness, caplog):
+    """Issue 27 item 5: at debug level the decision line lists every plan weighed with its
+    predicted time, then the chosen plan (the list is built only then: without debug the
+    lookup takes the fast path, which builds none)."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="kvcompose")
+    script("fast", Behaviour(tokens=64))
+    script("slow", Behaviour(tokens=200))
+    h = harness(fastest(native("fast", expect_read=FAST), native("slow", expect_read=SLOW)))
+    frozen(h)
+    assert h.connector.scheduler_side.lookup._fast_asks is None  # debug: the general path
+    req = h.add_request(prompt(200, 5), max_tokens=1)
+    h.run_until_idle()
+    lines = [r.getMessage() for r in caplog.records if req.request_id in r.getMessage()]
+    decision = next(line for line in lines if "plans: " in line)
+    weighed = decision.split("plans: ")[1].split("]")[0].split("; ")
+    assert [w.rsplit(" ", 2)[0] for w in weighed] == [
+        "recompute",
+        "fast[0,64)",
+        "fast[0,64) + slow[64,199)",
+        "slow[0,199)",
+    ], decision
+    assert all(w.endswith(" ms") for w in weighed)
+    assert "→ owner fast, 64 tokens" in decision
+    h.assert_clean()
