@@ -70,7 +70,9 @@ class PDPair:
     """A prefill engine and a decode engine joined by a P/D connector (NIXL by default).
 
     ``kv_transfer_config`` (or separate ``prefill_config``/``decode_config``) is the dict form
-    of ``KVTransferConfig``; each engine gets its own ``VLLM_NIXL_SIDE_CHANNEL_PORT``.
+    of ``KVTransferConfig``; each engine gets its own ``VLLM_NIXL_SIDE_CHANNEL_PORT``. The
+    engines fork from the server that has imported vLLM once (``preloaded``, see
+    ``kvcompose.engine.process``) unless ``preloaded=False``.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class PDPair:
         llm_kwargs: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         start_timeout: float = 300.0,
+        preloaded: bool = True,
     ) -> None:
         base = kv_transfer_config if kv_transfer_config is not None else NIXL_CPU_CONFIG
         p_cfg = prefill_config if prefill_config is not None else base
@@ -95,12 +98,12 @@ class PDPair:
             self.prefill = EngineProcess(
                 model_dir, p_cfg, name="prefill", llm_kwargs=llm_kwargs,
                 env={**common, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port)},
-                start_timeout=start_timeout,
+                start_timeout=start_timeout, preloaded=preloaded,
             )  # fmt: skip
             self.decode = EngineProcess(
                 model_dir, d_cfg, name="decode", llm_kwargs=llm_kwargs,
                 env={**common, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port)},
-                start_timeout=start_timeout,
+                start_timeout=start_timeout, preloaded=preloaded,
             )  # fmt: skip
         except BaseException:
             self.close()

@@ -105,13 +105,15 @@ def multiconnector_configs(stores: Path) -> tuple[dict[str, Any], dict[str, Any]
 def start_engine(
     model: Path | str, config: dict[str, Any], name: str, **llm_kwargs: Any
 ) -> EngineProcess:
-    """An engine process with its own NIXL side-channel port, tracing on."""
+    """An engine process with its own NIXL side-channel port, tracing on, forked from the
+    server that has imported vLLM once (``preloaded``)."""
     engine = EngineProcess(
         model,
         config,
         name=name,
         llm_kwargs={**LLM_KWARGS, **llm_kwargs},
         env={**pd.PD_ENGINE_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        preloaded=True,
     )
     try:
         engine.call(pd.trace_on)
@@ -410,9 +412,9 @@ def engines(
         try:
             yield p, d
         finally:
-            d.close()
+            d.close(graceful=False)  # nothing of the engines is read after the test
     finally:
-        p.close()
+        p.close(graceful=False)
 
 
 def reference(

@@ -58,7 +58,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def prefill(ref: dict[int, list[int]], tiny_model: Path, stores: Path) -> Iterator[EngineProcess]:
     engine = start_engine(tiny_model, kvcompose_configs(stores)[0], "prefill")
     yield engine
-    engine.close()
+    engine.close(graceful=False)  # the module's tests are done with it
 
 
 def _decode(
@@ -70,7 +70,7 @@ def _decode(
         assert_clean(prefill, engine)
         yield engine
     finally:
-        engine.close()
+        engine.close(graceful=False)
 
 
 @pytest.fixture(scope="module")
