@@ -193,56 +193,6 @@ class Planner:
                 return None  # its extensions might replace the best: the walk looks
         return Choice(best, best_s)
 
-    def _scan(
-        self, hits: Sequence[Hit], local: int, num_tokens: int, costs: Costs, recompute_s: float
-    ) -> Choice | None:
-        """The walk's first level inline, where every hit is sync and warm: each child's
-        segment from ``local`` priced in the walk's order, and its extensions skipped by the
-        walk's bound (``_Walk._bound``), every number as the walk computes it. None (the walk
-        decides) as soon as an extension cannot be skipped, or a segment could be cut for
-        another child. Where children hold prefixes of one another at similar prices, the
-        longest hit's segment reaches the bound and no stitch need be looked at."""
-        loads = costs.loads
-        prefill = costs.prefill_tokens_per_s
-        if prefill <= 0:
-            return None
-        longest = 0
-        fastest_rate = 0.0
-        for child, end, is_async in hits:
-            load = loads[child]
-            rate = load.tokens_per_s
-            if is_async or load.latency_s < 0 or rate <= 0:
-                return None
-            if end > longest:
-                longest = end
-            if rate > fastest_rate:
-                fastest_rate = rate
-        floor_s = (num_tokens - longest) / prefill
-        bound = min((num_tokens - local) / prefill, (longest - local) / fastest_rate + floor_s)
-        bound *= _SAFE
-        best_s = recompute_s
-        best: tuple[Part, ...] = ()
-        static, units = self.static, self.units
-        for child, end, _ in hits:
-            if bound >= best_s * _KEEP:
-                break  # no plan left can replace the best so far
-            _, last, unit, can_cut = static[child]
-            if local % unit:
-                continue
-            if can_cut and end < longest and any(end % u for u in units):
-                return None  # it may be cut for another child: the walk weighs those ends
-            load = loads[child]
-            sync = 0.0 + (load.latency_s + (end - local) / load.tokens_per_s)
-            total = sync + 0.0 + (num_tokens - end) / prefill
-            if total < best_s * _KEEP:
-                best, best_s = (Part(child, local, end, False),), total
-            if last or end >= longest:
-                continue
-            rest = min((num_tokens - end) / prefill, (longest - end) / fastest_rate + floor_s)
-            if (sync + rest) * _SAFE < best_s * _KEEP:
-                return None  # its extensions might replace the best: the walk looks
-        return Choice(best, best_s)
-
     def _one(
         self, hit: Hit, local: int, num_tokens: int, costs: Costs, recompute_s: float
     ) -> Choice:
