@@ -136,7 +136,6 @@ class Expected:
     predicted_s: float
     is_async: bool
     since: float
-    step: int
 
 
 @dataclass
@@ -232,9 +231,7 @@ class Costs:
         self, req_id: str, child: int, tokens: int, predicted_s: float, is_async: bool
     ) -> None:
         waiting = (self._async if is_async else self._sync)[child]
-        waiting[req_id] = Expected(
-            req_id, child, tokens, predicted_s, is_async, self.clock(), self.steps
-        )
+        waiting[req_id] = Expected(req_id, child, tokens, predicted_s, is_async, self.clock())
 
     def forget(self, req_id: str, *, in_flight_only: bool = False) -> None:
         """The request's loads will not be timed (a 0 grant; a finish before an async load's
