@@ -13,7 +13,9 @@ Three estimates, each from where it is seen:
   512): its default prior is a guess, and a guess wrong by 100x would otherwise send every
   request looked up before its first times come back to it, each with its whole hit; two
   sizes fit its line. A first probe that beats computing even read as all rate (the worst
-  case for a longer load) ends the probing (``Costs.cold``, ``Costs.usable``);
+  case for a longer load) ends the probing (``Costs.cold``, ``Costs.usable``). The first
+  probe is priced at nothing (``Costs.free_probe``): it is bought to be timed, and its cost
+  is bounded by ``probe_tokens``;
 - **the engine's prefill**: tokens per second over the engine's own steps, the tokens each
   step scheduled over the time from its ``build_connector_meta`` to the next one's (the
   scheduler side sees every step), less the time its sync loads took (timed by the worker
@@ -212,6 +214,18 @@ class Costs:
     def probe_tokens(self, child: int) -> int | None:
         """The most a cold child's next load may take (where it can be cut); None if warm."""
         return PROBE_TOKENS * 4 ** self.loads[child].measured if self.cold(child) else None
+
+    def free_probe(self, child: int) -> bool:
+        """Whether ``child``'s probe (a segment of a cold child that can be cut, at most
+        ``probe_tokens``) is priced at nothing: none of its loads has been timed, so its line
+        is the default prior, a guess. Such a probe is bought to be timed: priced at the guess,
+        it loses to the same plan without it (by the guess's latency, the fleet benchmark's
+        local tier) and the child is never timed. Its cost is bounded: one load at a time
+        (``usable``), at most ``PROBE_TOKENS``, and only until its first time comes back; the
+        second probe is priced by the line that time fitted, so a slow first probe ends the
+        probing."""
+        load = self.loads[child]
+        return not load.prior_given and not load.measured
 
     def usable(self, child: int, req_id: str) -> bool:
         """Whether ``req_id``'s plans may load from ``child``: any child but a cold one; a

@@ -20,6 +20,24 @@ left out (``Costs.usable``), and its segment, where it can be cut, ends at most
 ``Costs.probe_tokens`` after its start (rounded up to its alignment): its first times are
 bought with short loads.
 
+**A cold child's first probe is priced at nothing** (``Costs.free_probe``: a cold child none
+of whose loads has been timed, in a segment cut to its probe): it is bought to be timed, and
+its cost is bounded by ``Costs.probe_tokens``, one probe in flight at a time
+(``Costs.usable``), and only until the first time comes back (the second probe is priced by
+the line that time fitted, so a slow first probe ends the probing). Priced at the default
+prior (1 ms + 1 GB/s), the probe loses to the plan without it whenever another child reads
+its 128 tokens faster than that guess: in the fleet benchmark ``local[0,128) +
+shared[128,S)`` lost to ``shared[0,S)`` by 1-4 ms on every request, so the local tier was
+never loaded, never timed, and stayed cold (benchmarks/results/fleet/fastest-cde2727/
+diagnosis.md). Not the rate of the child that would otherwise load those tokens: the probe
+plan would then tie the plan without it, and whether it is taken would hang on the chain's
+order (ties go to the plan found first) and on rounding; a probe followed by computing would
+tie recompute and lose (found later), so a lone cold child would never be probed; and a
+segment's price would hang on the segment after it, which the walk's running sums (one
+addition a segment) cannot express. At nothing, a plan with the probe beats the same plan
+without it by what its tokens would cost otherwise, and the first request whose plan can
+include the child probes it.
+
 **The search** (``Planner.choose``) is a depth-first walk of the plans in one fixed order
 (recompute, then each child's segment from ``local`` in the chain's order, each followed by
 its extensions), pricing each plan as it extends the one before it: a segment adds its load
@@ -196,15 +214,19 @@ class Planner:
     def _one(
         self, hit: Hit, local: int, num_tokens: int, costs: Costs, recompute_s: float
     ) -> Choice:
-        """One child answered: its segment from ``local`` (cut to a probe for a cold child)
-        against recomputing, as the walk would weigh them."""
+        """One child answered: its segment from ``local`` (cut to a probe for a cold child,
+        a first probe priced at nothing) against recomputing, as the walk would weigh them."""
         child, end, is_async = hit
         mode, _, unit, can_cut = self.static[child]
         if (is_async and mode == "natural_end") or local % unit:
             return Choice((), recompute_s)
+        load = None
         if can_cut and (probe_tokens := costs.probe_tokens(child)) is not None:
             end = min(end, local + math.ceil(probe_tokens / unit) * unit)
-        load = costs.loads[child].predict(end - local)
+            if costs.free_probe(child):
+                load = 0.0  # the walk's: 0 latency + tokens / inf
+        if load is None:
+            load = costs.loads[child].predict(end - local)
         # the walk's sums, to the bit: sync loads add up from 0, async ones wait in parallel
         sync, waits = (0.0, max(0.0, costs.queue_s(child) + load)) if is_async else (load, 0.0)
         total = sync + waits + (num_tokens - end) / costs.prefill_tokens_per_s
@@ -248,10 +270,13 @@ class _Walk:
         any_async = False
         fastest_rate = 0.0
         cheap = prefill > 0  # every load costs at least 0: a plan's sums only grow
+        static = planner.static
         for child, end, is_async in hits:
             load = loads[child]
             longest = max(longest, end)
             any_async = any_async or is_async
+            if static[child][3] and costs.free_probe(child):
+                fastest_rate = math.inf  # a first probe loads for nothing (``_row``)
             fastest_rate = max(fastest_rate, load.tokens_per_s)
             cheap = cheap and load.latency_s >= 0 and load.tokens_per_s > 0
         self.planner = planner
@@ -276,16 +301,21 @@ class _Walk:
         """What every extension by hit ``i`` reads: its bit among the hits, child, end,
         async, mode, whether it ends a plan, its unit, its load's line, its queue (async),
         its probe length (a cold child that can be cut) and its cuts (the last start of each
-        later-ending child below its end, on that child's unit)."""
+        later-ending child below its end, on that child's unit). A first probe
+        (``Costs.free_probe``) is priced at nothing: latency 0 and an infinite rate, so its
+        load adds exactly 0.0 to the sums."""
         hits, costs, static = self.hits, self.costs, self.planner.static
         child, end, is_async = hits[i]
         mode, last, unit, can_cut = static[child]
         load = costs.loads[child]
+        latency, rate = load.latency_s, load.tokens_per_s
         probe = None
         cuts: tuple[tuple[int, int], ...] = ()
         if can_cut:
             if (probe_tokens := costs.probe_tokens(child)) is not None:
                 probe = math.ceil(probe_tokens / unit) * unit
+                if costs.free_probe(child):
+                    latency, rate = 0.0, math.inf
             if end < self.longest:
                 cuts = tuple(
                     (1 << j, end // static[o[0]][2] * static[o[0]][2])
@@ -300,8 +330,8 @@ class _Walk:
             mode,
             last,
             unit,
-            load.latency_s,
-            load.tokens_per_s,
+            latency,
+            rate,
             costs.queue_s(child) if is_async else 0.0,
             probe,
             cuts,

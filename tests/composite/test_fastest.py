@@ -155,12 +155,14 @@ def test_a_cold_child_takes_one_load_until_it_is_timed(harness, prior):
     h.assert_clean()
 
 
-@pytest.mark.parametrize(("probe_s", "second"), [(0.0, 704), (0.1, 512)])
+@pytest.mark.parametrize(("probe_s", "second"), [(0.0, 704), (0.1, 512), (1.0, 0)])
 def test_a_probe_that_beats_computing_ends_the_probing(harness, probe_s, second):
-    """a is cold and holds 704 tokens. Its first probe (128 tokens) takes ``probe_s``: at
-    0 s it beats computing (2,000 tokens/s) even read as all rate, so the next request loads
-    all 704; at 0.1 s (1,280 tokens/s read as rate) a is still cold and the next load is the
-    second probe, 512 tokens."""
+    """a is cold and holds 704 tokens. Its first probe (128 tokens, priced at nothing) takes
+    ``probe_s``: at 0 s it beats computing (2,000 tokens/s) even read as all rate, so the next
+    request loads all 704; at 0.1 s (1,280 tokens/s read as rate) a is still cold and the next
+    load is the second probe, 512 tokens, priced by the line the first time fitted (0.1 s +
+    512 tokens at the prior's rate beats computing them); at 1 s that line loses to computing,
+    so a slow first probe ends the probing: the next request recomputes."""
     a = script("a", Behaviour(tokens=704))
     h = harness(fastest(native("a")), layer_calls=False)
     loads_take(h, frozen(h), probe_s)
@@ -260,4 +262,43 @@ def test_the_debug_decision_log_lists_every_plan_weighed(harness, caplog):
     ], decision
     assert all(w.endswith(" ms") for w in weighed)
     assert "→ owner fast, 64 tokens" in decision
+    h.assert_clean()
+
+
+def test_a_cold_child_is_probed_in_a_stitch_then_stitched_whole(harness):
+    """The fleet benchmark's trees (benchmarks/results/fleet/fastest-cde2727/diagnosis.md):
+    ``local`` is cold (no ``expect_read``, a prefix store) and holds 160 tokens, ``shared``
+    is warm and async (20 ms + 0.5 GB/s, slower a token than local's default prior) and
+    holds 320. Local enters a plan only as a 128-token probe; priced at its prior
+    (1 ms + 1 GB/s) the probe stitch ``local[0,128) + shared[128,320)`` loses to
+    ``shared[0,320)`` by about 1 ms, so local would never be loaded, never timed, and stay
+    cold. A first probe is priced at nothing, so the first request stitches it; the probe
+    is timed fast (the injected clock does not move), local is warm, and the next request
+    stitches local's whole hit: ``local[0,160) + shared[160,320)``."""
+    local = script("local", Behaviour(tokens=160))
+    shared = script("shared", Behaviour(tokens=320, is_async=True, load_steps=2))
+    h = harness(
+        fastest(
+            native("local"),
+            native("shared", expect_read={"latency_ms": 20.0, "gbps": 0.5}),
+        ),
+        layer_calls=False,
+    )
+    loads_take(h, frozen(h), 0.0)
+    costs = h.connector.scheduler_side.costs
+    assert costs.cold(0) and not costs.cold(1)
+    first = h.add_request(prompt(400, 50), max_tokens=1)
+    h.run_until_idle()
+    # (an async plan is allocated twice: its tokens, then 0 once they are received)
+    assert allocs(local, first.request_id)[0] == 128
+    assert allocs(shared, first.request_id)[0] == 192
+    assert lookups_at(shared, first.request_id)[-1] == 128
+    assert costs.loads[0].measured == 1 and not costs.cold(0)  # the probe was timed: fast
+    second = h.add_request(prompt(400, 51), max_tokens=1)
+    h.run_until_idle()
+    assert allocs(local, second.request_id)[0] == 160
+    assert allocs(shared, second.request_id)[0] == 160
+    assert lookups_at(shared, second.request_id)[-1] == 160
+    assert counters(h)["plans.stitch"] == 2
+    assert not costs.expected  # every load was timed
     h.assert_clean()

@@ -6,9 +6,11 @@ The enumeration is kept here as the reference (as it was in ``fastest.py`` befor
 search): every plan the range modes allow, generated recursively, each priced from scratch by
 ``predict``, the first cheapest kept, cheaper meaning cheaper by more than ``BETTER_BY``
 (before the search, by any amount: that rule's pick may differ only by rounding, which is
-checked too). Drawn at random: hits (sync and async, ends on and off the block grid), range
-modes, alignments, cuttability, priors (equal ones too), cold children (probes, and ones left
-out while another request's load awaits its time), queues of async loads, prefill speeds."""
+checked too). A cold child's first probe (``Costs.free_probe``, a segment of a cold child
+that can be cut) is priced at nothing, here as in the search. Drawn at random: hits (sync and
+async, ends on and off the block grid), range modes, alignments, cuttability, priors (equal
+ones too), cold children (first probes, second ones, and ones left out while another
+request's load awaits its time), queues of async loads, prefill speeds."""
 
 from __future__ import annotations
 
@@ -26,11 +28,20 @@ BLOCK = 16
 
 
 # ----------------------------------------------------------------- the reference
-def predict(parts: Sequence[Part], num_tokens: int, local: int, costs: Costs) -> float:
+def predict(
+    parts: Sequence[Part],
+    num_tokens: int,
+    local: int,
+    supports: Sequence[RangeSupport],
+    costs: Costs,
+) -> float:
     sync = 0.0
     waits = 0.0
     for p in parts:
-        load = costs.loads[p.child].predict(p.end - p.start)
+        if supports[p.child].can_cut and costs.free_probe(p.child):
+            load = 0.0  # a cold child's first probe: bought to be timed
+        else:
+            load = costs.loads[p.child].predict(p.end - p.start)
         if p.is_async:
             waits = max(waits, costs.queue_s(p.child) + load)
         else:
@@ -49,7 +60,7 @@ def reference(
 ) -> tuple[Choice, list[Choice]]:
     hits = [h for h in hits if costs.usable(h.child, req_id)]
     weighed = [
-        Choice(parts, predict(parts, num_tokens, local, costs))
+        Choice(parts, predict(parts, num_tokens, local, supports, costs))
         for parts in _plans(hits, local, supports, BLOCK, costs)
     ]
     best = weighed[0]
@@ -195,7 +206,7 @@ def draw(rng: random.Random) -> tuple[list[Hit], int, int, list[RangeSupport], C
 @pytest.mark.parametrize("seed", range(8))
 def test_the_search_picks_what_the_enumeration_picked(seed):
     rng = random.Random(20261203 + seed)
-    searched = stitches = 0
+    searched = stitches = probes = 0
     for case in range(1500):
         hits, local, num_tokens, supports, costs = draw(rng)
         want, every = reference("r", hits, local, num_tokens, supports, costs)
@@ -212,9 +223,10 @@ def test_the_search_picks_what_the_enumeration_picked(seed):
             assert got.predicted_s - exact.predicted_s <= BETTER_BY * got.predicted_s
         searched += len(every) > 2
         stitches += len(want.parts) > 1
+        probes += any(supports[p.child].can_cut and costs.free_probe(p.child) for p in want.parts)
     # the draws exercise the search, not only its shortcuts: many lookups weigh several
-    # plans, and stitches win some
-    assert searched > 500 and stitches > 10, (searched, stitches)
+    # plans, stitches win some, and first probes (priced at nothing) are taken in some
+    assert searched > 500 and stitches > 10 and probes > 10, (searched, stitches, probes)
 
 
 @pytest.mark.parametrize("children", [1, 2])
