@@ -233,15 +233,19 @@ class Router:
                             ev.token_ids = ev.token_ids[: remaining - got]
                         got += len(ev.token_ids)
                         delivered.extend(ev.token_ids)
-                        text, match = stops.feed(ev.text, len(ev.token_ids))
+                        d_stop = (
+                            ev.stop_reason
+                            if ev.finish_reason == "stop" and ev.stop_reason in stops.stops
+                            else None
+                        )
+                        text, match = stops.feed(ev.text, len(ev.token_ids), d_stop)
                         if text or ev.token_ids:
                             yield Delta(text, ev.token_ids)
                         if match is not None:
                             yield self._finish(req, delivered, "stop", match.stop, attempt)
                             return
                         if ev.finish_reason is not None:
-                            d_stop = ev.finish_reason == "stop" and ev.stop_reason in stops.stops
-                            tail = stops.stopped_by(ev.stop_reason) if d_stop else stops.flush()
+                            tail = stops.flush()
                             if tail:
                                 yield Delta(tail, [])
                             yield self._finish(

@@ -17,11 +17,12 @@ characters otherwise, which would leave text behind the token ids when a stream 
 and applies the client's choice itself: without ``include_stop_str_in_output`` it withholds
 the same number of characters from the client until they cannot start a stop string.
 
-The text arrives in D's chunks, one engine step each: one token per chunk unless D runs
-speculative decoding or a ``--stream-interval`` above 1. A chunk holding the
-``min_tokens``-th token *and* later ones is not split here (its per-token text is unknown):
-no stop string is taken to end inside it, and D's own verdict, exact within its attempt,
-is honoured instead (:meth:`StopStrings.stopped_by`).
+The text arrives in D's chunks: one engine step each, unless D runs speculative decoding or
+a ``--stream-interval`` above 1, or its API server merged the steps a busy client had not
+read yet (``RequestOutputCollector``). A chunk holding the ``min_tokens``-th token *and*
+later ones is not split here (its per-token text is unknown): no stop string is taken to
+end inside it, and D's own verdict, exact within its attempt, cuts it instead (``d_stop``:
+with ``include_stop_str_in_output`` D's text ends where its match ends).
 """
 
 from __future__ import annotations
@@ -45,9 +46,12 @@ class StopStrings:
         self.tokens = 0  # token ids generated so far
         self.emitted = 0  # characters of self.text given to the client
 
-    def feed(self, piece: str, n_tokens: int) -> tuple[str, StopMatch | None]:
-        """Add ``piece``, the text of ``n_tokens`` new tokens; return the text the client may
-        get now and the match, if any."""
+    def feed(
+        self, piece: str, n_tokens: int, d_stop: str | None = None
+    ) -> tuple[str, StopMatch | None]:
+        """Add ``piece``, the text of ``n_tokens`` new tokens, with ``d_stop`` the stop
+        string D ended its attempt on with this piece (if it did); return the text the
+        client may get now and the match, if any."""
         before_text, before_tokens = len(self.text), self.tokens
         self.text += piece
         self.tokens += n_tokens
@@ -55,6 +59,9 @@ class StopStrings:
             match = self._first_ending(checked_from=before_text)
             if match is not None:
                 return self._cut(*match)
+        if d_stop is not None and self.text.endswith(d_stop):
+            # a piece across min_tokens, not checked here: cut before any of it is emitted
+            return self._cut(len(self.text) - len(d_stop), d_stop)
         end = len(self.text) - self.hold
         out = self.text[self.emitted : end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
@@ -74,14 +81,6 @@ class StopStrings:
         out = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return out, StopMatch(stop, out)
-
-    def stopped_by(self, stop: str) -> str:
-        """D ended its attempt on ``stop`` where :meth:`feed` found no match (a chunk of
-        several tokens across ``min_tokens``): D's match ends where its text ends."""
-        start = self.text.rfind(stop)
-        if start < self.emitted:
-            return self.flush()
-        return self._cut(start, stop)[0]
 
     def flush(self) -> str:
         """The withheld tail, once generation ended for another reason."""

@@ -120,6 +120,9 @@ class ScriptedVLLM:
         self.fabric = fabric
         self.token_delay = token_delay
         self.faults: list[Fault] = []
+        #: engine steps per decode chunk: vLLM's API server merges the steps its client has
+        #: not read yet into one chunk (``RequestOutputCollector.put``, delta outputs)
+        self.steps_per_chunk = 1
         self.requests: list[dict[str, Any]] = []
         self.active: set[str] = set()
         self.aborted: list[str] = []
@@ -280,6 +283,7 @@ class ScriptedVLLM:
                     finished = True
                     return
             seq, text = list(prompt), ""
+            pieces, toks = "", []  # steps not sent yet (``steps_per_chunk``)
             for i in range(max_tokens):
                 if fault is not None and i == fault.after:
                     if fault.kind == "drop":
@@ -300,7 +304,10 @@ class ScriptedVLLM:
                 hit = _stop_string(text, len(piece), stops, i + 1, min_tokens)
                 last = i == max_tokens - 1
                 reason = "stop" if hit else ("length" if last else None)
-                yield _data(_chunk(rid, piece, [tok], reason, hit, body))
+                pieces, toks = pieces + piece, [*toks, tok]
+                if reason or len(toks) == self.steps_per_chunk:
+                    yield _data(_chunk(rid, pieces, toks, reason, hit, body))
+                    pieces, toks = "", []
                 if reason:
                     break
             usage = {

@@ -73,6 +73,7 @@ def bed(backends) -> Iterator[Bed]:
         s.requests.clear()
         s.aborted.clear()
         s.healthy = True
+        s.steps_per_chunk = 1
     fabric.held.clear()
     fabric.released.clear()
     b = Bed(

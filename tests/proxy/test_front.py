@@ -298,6 +298,24 @@ def test_stop_strings_follow_vllms_detokenizer():
     assert s.feed("y", 1)[1] == StopMatch("xy", "y")  # starting in token 1, ending after
 
 
+def test_a_chunk_across_min_tokens_ending_in_ds_stop_is_cut_there():
+    """A chunk of several tokens across ``min_tokens`` (vLLM's API server merges the steps a
+    busy client has not read yet: ``RequestOutputCollector``) is not checked here, and D's
+    verdict cuts it. Before: the chunk was emitted up to the hold, which already held the
+    stop string's first character, so the whole stop string reached the client (seen on
+    real engines: `` w321 w339`` where vLLM answers `` w321 ``)."""
+    s = StopStrings(["w371", "w339"], include_in_output=False, min_tokens=4)
+    assert s.feed(" w727 w201", 2) == (" w727 w", None)  # 3 characters held
+    _, match = s.feed(" w371 w733 w602 w501 w321 w339", 6, d_stop="w339")
+    assert match == StopMatch("w339", "201 w371 w733 w602 w501 w321 ")
+    assert s.text[: s.emitted] == " w727 w201 w371 w733 w602 w501 w321 "
+    s = StopStrings(["w339"], include_in_output=True, min_tokens=4)
+    assert s.feed(" w1 w2 w3 w4 w339", 5, d_stop="w339") == (
+        " w1 w2 w3 w4 w339",
+        StopMatch("w339", " w1 w2 w3 w4 w339"),
+    )
+
+
 def test_pick_least_outstanding_prefers_backends_not_failed():
     pool = BackendPool.from_urls(["http://p1", "http://p2"], ["http://d1"])
     a, b = pool.prefill

@@ -53,15 +53,23 @@ def test_completion_with_null_max_tokens_is_16(bed):
     assert out.token_ids == reference(IDS, 16)
 
 
-@pytest.mark.parametrize("drop_after", [None, 2], ids=["one-attempt", "retried"])
-def test_min_tokens_come_before_stop_strings(bed, drop_after):
+@pytest.mark.parametrize(
+    ("drop_after", "steps_per_chunk"),
+    [(None, 1), (2, 1), (None, 7)],
+    ids=["one-attempt", "retried", "merged-chunks"],
+)
+def test_min_tokens_come_before_stop_strings(bed, drop_after, steps_per_chunk):
     """``BaseIncrementalDetokenizer.update``: stop strings count only after ``min_tokens``
     tokens. Token 3 completes the first stop string, token 7 the second: with
-    ``min_tokens: 4`` vLLM stops at token 7."""
+    ``min_tokens: 4`` vLLM stops at token 7. Also where D sends tokens 1-7 in one chunk (a
+    busy API server merges steps), across ``min_tokens`` and ending in D's stop: the stop
+    string must not reach the client (it did, seen on real engines)."""
     early, late = f"w{WANT[2]}", f"w{WANT[6]}"
     text = detok(WANT)
     assert text.find(early, len(detok(WANT[:3]))) == -1  # only token 3 completes it
     assert text.find(late) == len(detok(WANT[:6])) + 1  # first completed by token 7
+    for d in bed.decode:
+        d.steps_per_chunk = steps_per_chunk
     if drop_after is not None:
         bed.decode[0].fail_next(Fault("drop", after=drop_after))
     out = _complete(bed, max_tokens=12, min_tokens=4, stop=[early, late])
