@@ -132,6 +132,17 @@ def handshake(p: VLLMServer, d: VLLMServer, attempts: int = 3) -> None:
     raise AssertionError(f"{p.name} -> {d.name}: no hand-off in {attempts} attempts")
 
 
+def handshake_all(servers: dict[str, VLLMServer], prefill: list[str], decode: list[str]) -> None:
+    """:func:`handshake` for every P and D, in rounds of disjoint pairs run side by side (a
+    first hand-off mostly waits: P's first prefill, D's side-channel round trip, UCX's
+    connection set-up)."""
+    rounds = [[(p, decode[(i + k) % len(decode)]) for i, p in enumerate(prefill)]
+              for k in range(len(decode))]  # fmt: skip
+    with ThreadPoolExecutor(len(prefill)) as pool:
+        for pairs in rounds:
+            list(pool.map(lambda pd: handshake(servers[pd[0]], servers[pd[1]]), pairs))
+
+
 def greedy(server: VLLMServer, seeds: Iterable[int], n: int, **kw: Any) -> dict[int, list[int]]:
     """One engine's greedy output, no hand-off (a P server serving the prompt itself)."""
     out = {}

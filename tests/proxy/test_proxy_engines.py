@@ -64,9 +64,7 @@ def servers(
     started = bed.start(tiny_model, tmp, ["p1", "p2"], ["d1", "d2"], FAIL_IDS)
     try:
         # NIXL's first handshake of each pair, out of the tests' counts and timeouts
-        for p in ("p1", "p2"):
-            for d in ("d1", "d2"):
-                bed.handshake(started[p], started[d])
+        bed.handshake_all(started, ["p1", "p2"], ["d1", "d2"])
         bed.calm(started.values())
         yield started
     finally:
