@@ -158,7 +158,8 @@ class Costs:
     _async: list[dict[str, Expected]] = field(default_factory=list)
     _last_step: tuple[float, int] | None = None
     _sync_load_s: float = 0.0  # the sync loads timed since the last step was scheduled
-    _warm_for_good: bool = False  # every child has a prior or PROBES timed loads
+    #: every child has a prior or ``PROBES`` timed loads (set by ``any_cold``; never unset)
+    warm_for_good: bool = False
 
     def __post_init__(self) -> None:
         self._sync = [{} for _ in self.loads]
@@ -198,9 +199,9 @@ class Costs:
         """Whether a child may be cold (``cold``): False for good once every child has its
         prior set or ``PROBES`` loads timed (``LoadCost.cold`` never comes back), so a
         lookup need not ask per child."""
-        if not self._warm_for_good:
-            self._warm_for_good = not any(load.cold for load in self.loads)
-        return not self._warm_for_good
+        if not self.warm_for_good:
+            self.warm_for_good = not any(load.cold for load in self.loads)
+        return not self.warm_for_good
 
     def cold(self, child: int) -> bool:
         """``LoadCost.cold``, unless one probe already shows loading beats computing: its

@@ -47,7 +47,7 @@ it can replace the best so far (``_Walk._bound``): its sums only grow, it comput
 what the longest hit leaves, and, every hit sync, every token it loads loads at best at the
 fastest child's rate. Where children hold prefixes of one another at similar prices, the
 longest hit's segment reaches that bound and nothing else is looked at; where every hit is
-sync and every child warm, that first level runs inline (``Planner._scan``) and the walk only
+sync and every child warm, that first level runs inline (``Planner.scan``) and the walk only
 starts if an extension cannot be skipped. A miss, and one child answering, are answered
 without the walk. The answer is the full enumeration's (every plan priced from scratch in
 the walk's order, the first best by the rule above kept), which
@@ -83,6 +83,9 @@ BETTER_BY = 1e-9
 _KEEP = 1 - BETTER_BY
 #: The share of a subtree's bound, computed in floating point, that its plans surely cost.
 _SAFE = 1 - 1e-12
+#: ``tuple.__new__``: a named tuple made from a tuple of its fields, without the Python-level
+#: ``__new__`` the class has (a lookup's hot path makes one or two).
+_new = tuple.__new__
 
 
 class Hit(NamedTuple):
@@ -156,12 +159,12 @@ class Planner:
         if not hits:
             return Choice((), recompute)
         if weighed is None and not cold:
-            found = self._scan(hits, local, num_tokens, costs, recompute)
+            found = self.scan(hits, local, num_tokens, costs, recompute)
             if found is not None:
                 return found
         return _Walk(self, hits, local, num_tokens, costs, weighed).run(recompute)
 
-    def _scan(
+    def scan(
         self, hits: Sequence[Hit], local: int, num_tokens: int, costs: Costs, recompute_s: float
     ) -> Choice | None:
         """The walk's first level inline, where every hit is sync and warm: each child's
@@ -185,31 +188,35 @@ class Planner:
                 longest = end
             if rate > fastest_rate:
                 fastest_rate = rate
+        keep_share = _KEEP
         floor_s = (num_tokens - longest) / prefill
         bound = min((num_tokens - local) / prefill, (longest - local) / fastest_rate + floor_s)
         bound *= _SAFE
         best_s = recompute_s
+        keep = best_s * keep_share  # a plan replaces the best only below this
         best: tuple[Part, ...] = ()
-        static, units = self.static, self.units
+        static = self.static
         for child, end, _ in hits:
-            if bound >= best_s * _KEEP:
+            if bound >= keep:
                 break  # no plan left can replace the best so far
             _, last, unit, can_cut = static[child]
             if local % unit:
                 continue
-            if can_cut and end < longest and any(end % u for u in units):
+            if can_cut and end < longest and any(end % u for u in self.units):
                 return None  # it may be cut for another child: the walk weighs those ends
             load = loads[child]
             sync = 0.0 + (load.latency_s + (end - local) / load.tokens_per_s)
             total = sync + 0.0 + (num_tokens - end) / prefill
-            if total < best_s * _KEEP:
-                best, best_s = (Part(child, local, end, False),), total
+            if total < keep:
+                # the named tuples made without their Python-level ``__new__``
+                best = (_new(Part, (child, local, end, False)),)
+                best_s, keep = total, total * keep_share
             if last or end >= longest:
                 continue
             rest = min((num_tokens - end) / prefill, (longest - end) / fastest_rate + floor_s)
-            if (sync + rest) * _SAFE < best_s * _KEEP:
+            if (sync + rest) * _SAFE < keep:
                 return None  # its extensions might replace the best: the walk looks
-        return Choice(best, best_s)
+        return _new(Choice, (best, best_s))
 
     def _one(
         self, hit: Hit, local: int, num_tokens: int, costs: Costs, recompute_s: float

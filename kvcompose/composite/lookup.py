@@ -516,10 +516,19 @@ class Lookup:
         self.counters.lookups += 1
         costs = self.costs
         assert costs is not None
+        # (no ``costs.forget`` as ``_record`` does: a request without a record, which is all
+        # this path sees, has no load awaiting its time; those are given out with a record,
+        # which is kept until the request finishes)
         if not hits:
-            costs.forget(req_id)
             return MISS
-        choice = self.planner.choose(req_id, hits, local, num_tokens, costs)  # type: ignore[union-attr, arg-type]
+        planner = self.planner
+        assert planner is not None
+        choice = None
+        if costs.warm_for_good and len(hits) > 1:  # what ``choose`` would do, without its checks
+            recompute_s = (num_tokens - local) / costs.prefill_tokens_per_s
+            choice = planner.scan(hits, local, num_tokens, costs, recompute_s)  # type: ignore[arg-type]
+        if choice is None:
+            choice = planner.choose(req_id, hits, local, num_tokens, costs)  # type: ignore[arg-type]
         reason = self.fixed_candidates.reason  # type: ignore[union-attr]
         if len(choice.parts) != 1:
             plan = self._realise(request, local, choice)
@@ -530,7 +539,6 @@ class Lookup:
         tokens = end - local
         self.counters.inc(fastest.PLAN_COUNTERS[1])
         self.counters.hit(child, tokens)
-        costs.forget(req_id)
         costs.expect(req_id, child, tokens, costs.loads[child].predict(tokens), is_async)
         self.ledger.decide(req_id, child, tokens, is_async, reason, local)
         return tokens, is_async
