@@ -62,8 +62,9 @@ def stored_tokens(n: int) -> int:
 def reference(model: Path, tmp_path_factory) -> dict[str, list[int]]:
     """Every prompt's greedy output from one engine without any connector."""
     log = tmp_path_factory.mktemp("reference") / "engine.log"
+    # no Mooncake in this one: it may fork from the server that has imported vLLM once
     with EngineProcess(
-        model, None, name="reference", llm_kwargs=LLM_KWARGS, log_file=log
+        model, None, name="reference", llm_kwargs=LLM_KWARGS, log_file=log, preloaded=True
     ) as engine:
         outs = engine.generate(list(PROMPTS.values()), MAX_TOKENS)
         ref = {name: out[0] for name, out in zip(PROMPTS, outs, strict=True)}
