@@ -35,6 +35,9 @@ NO_PINNING = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1", **NO_PINNING}
 #: generous for a 2-core machine: the proxy's own defaults are for real deployments
 TIMEOUTS = {"connect": 30, "read": 300, "health": 10}
+#: the proxy's start: its lifespan asks every backend for /health and /v1/models, which a
+#: busy server can take most of TIMEOUTS["health"] to answer (seen: over ServerThread's 20 s)
+START_S = 120.0
 KEYS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 
@@ -209,7 +212,7 @@ def proxy(
             **kw,
         )
     )
-    return ServerThread(app).start(), app
+    return ServerThread(app).start(timeout=START_S), app
 
 
 def idle(servers: dict[str, VLLMServer], timeout: float = 60.0) -> dict[str, dict[str, float]]:

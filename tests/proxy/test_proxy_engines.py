@@ -333,7 +333,7 @@ def test_prefill_killed_before_the_decode_is_retried_on_the_other(servers):
         ),
         http_client=client,
     )
-    thread = ServerThread(app).start()  # fresh: its first prefill goes to p1
+    thread = ServerThread(app).start(timeout=bed.START_S)  # fresh: its first prefill goes to p1
     try:
         with httpx.Client(base_url=thread.url, timeout=300) as c:
             # a prompt no disk tier holds: D's NIXL owns the load from P1
