@@ -202,11 +202,7 @@ def _internal(data: Any, label: str | None, where: Path) -> Config:
 def _load_source(
     src: Source, env: Mapping[str, str], overrides: list[Override], check_vllm: bool | None
 ) -> Config:
-    if not isinstance(src.data, Mapping):
-        raise ConfigError(
-            f"expected a mapping at the top level, got {describe(src.data)}", src.label
-        )
-    data = dict(src.data)
+    data = src.mapping()
     if isinstance(data.get("kv_connector"), str) and data["kv_connector"] in COMPOSITE_NAMES:
         config = _from_composite_args(data, src, env, overrides, check_vllm)
     else:
@@ -247,11 +243,7 @@ def _from_composite_args(
     found = split_extra(dict(extra), env, src, (EXTRA_CONFIG,))
     everything = env_overrides(env) + found.overrides + list(overrides)
     with opened(found) as inner:
-        if not isinstance(inner.data, Mapping):
-            raise ConfigError(
-                f"expected a mapping at the top level, got {describe(inner.data)}", inner.label
-            )
-        merged = Source({**parent, **inner.data}, inner.label, inner.linemap, inner.path)
+        merged = Source({**parent, **inner.mapping()}, inner.label, inner.linemap, inner.path)
         if found.inline is None:
             return _load(merged, everything, check_vllm, env=env)
 
@@ -274,10 +266,7 @@ def _load(
     translate: Translate = identity,
     origin: str = "document",
 ) -> Config:
-    data = src.data
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"expected a mapping at the top level, got {describe(data)}", src.label)
-    data = dict(data)
+    data = src.mapping()
     if data and set(data) <= set(NODE_KINDS):
         data = {"tree": data}  # a bare node
         inner = translate

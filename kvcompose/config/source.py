@@ -17,14 +17,14 @@ import os
 import re
 import select
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 import yaml
 
 from kvcompose.config import limits, reader
-from kvcompose.config.errors import ConfigError, ErrorItem, LineMap
+from kvcompose.config.errors import ConfigError, ErrorItem, LineMap, describe
 from kvcompose.config.limits import MAX_FILE_BYTES, size_text
 from kvcompose.config.plain import check_plain
 
@@ -39,6 +39,13 @@ class Source:
     label: str | None = None
     linemap: LineMap = field(default_factory=LineMap)
     path: str | None = None  # the file, when there is one
+
+    def mapping(self) -> dict[str, Any]:
+        """The document's top level, which must be a mapping (a copy)."""
+        if not isinstance(self.data, Mapping):
+            message = f"expected a mapping at the top level, got {describe(self.data)}"
+            raise ConfigError(message, self.label)
+        return dict(self.data)
 
 
 def read_file(path: str | os.PathLike) -> Source:

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvcompose.config.errors import ConfigError, ErrorItem, describe, located
+from kvcompose.config.errors import ConfigError, ErrorItem, located
 from kvcompose.config.source import read_file
 from kvcompose.tree.messages import Wording
 
@@ -104,10 +104,7 @@ def load_proxy_config(path: str | Path | None = None, **overrides: Any) -> Proxy
     if path is not None:
         source = read_file(path)
         label, linemap = source.label, source.linemap
-        if not isinstance(source.data, dict):
-            message = f"expected a mapping at the top level, got {describe(source.data)}"
-            raise ConfigError(message, label)
-        data.update(source.data)
+        data.update(source.mapping())
     flags = {k: v for k, v in overrides.items() if v is not None}
     data.update(flags)
     try:
