@@ -8,7 +8,7 @@ from typing import Any
 
 from kvcompose.config.limits import MAX_LABEL, MAX_LISTED, MAX_MESSAGE
 from kvcompose.tree import describe
-from kvcompose.tree.messages import MAX_SHOWN, did_you_mean, format_path, shown
+from kvcompose.tree.messages import MAX_SHOWN, at, did_you_mean, format_path, shown
 
 __all__ = [
     "ConfigError",
@@ -52,14 +52,13 @@ class ErrorItem:
     line: int | None = None
 
     def render(self, label: str | None = None) -> str:
-        where = format_path(self.path)
         head = ""
         if label is not None:
             label = _short_label(label)
             head = f"{label}:{self.line}: " if self.line else f"{label}: "
         elif self.line:
             head = f"line {self.line}: "
-        return f"{head}{where}: {self.message}" if where else f"{head}{self.message}"
+        return head + at(self.path, self.message)
 
 
 class ConfigError(ValueError):

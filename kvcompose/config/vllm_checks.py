@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvcompose.config.deadline import UserCodeTimeout, limit_s, time_limit
 from kvcompose.config.errors import did_you_mean, shown
 from kvcompose.config.known import needs_package
 from kvcompose.tree import Leaf, Route, child_transfer_config, walk
+from kvcompose.tree.messages import Wording, at
 
 #: Connectors vLLM special-cases by name (``KVTransferConfig.has_connector``, HiSparse,
 #: SimpleCPUOffload); under a KVCompose composite those checks do not see them.
@@ -321,15 +324,8 @@ def _layout(cls: type, ktc: Any) -> tuple[str | None, str]:
 
 
 def _one_line(exc: BaseException) -> str:
-    errors = getattr(exc, "errors", None)
-    if callable(errors):  # pydantic's ValidationError: the first error's own message
-        try:
-            first = errors()[0]
-            loc = ".".join(str(p) for p in first.get("loc", ()))
-            msg = str(first.get("msg", "")).removeprefix("Value error, ").splitlines()[0]
-            return f"{loc}: {msg}" if loc else msg
-        except Exception:
-            pass
+    if isinstance(exc, ValidationError):  # vLLM's pydantic configs, worded as ours are
+        return at(*Wording(None).problems(exc)[0]).splitlines()[0]  # vLLM's first line says it
     text = str(exc).strip().splitlines()
     first = text[0] if text else ""
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

@@ -60,6 +60,12 @@ def format_path(path: Iterable[str | int]) -> str:
     return out
 
 
+def at(path: Iterable[str | int], message: str) -> str:
+    """``path: message``; the message alone at the top level."""
+    where = format_path(path)
+    return f"{where}: {message}" if where else message
+
+
 def closest(word: Any, choices: Iterable[str]) -> str | None:
     """The choice ``word`` was probably meant as (a close spelling, or another case)."""
     if not isinstance(word, str) or len(word) > 4 * MAX_SHOWN:
@@ -79,9 +85,10 @@ def did_you_mean(word: Any, choices: Iterable[str]) -> str:
 
 class Wording:
     """How a model's validation errors read. Subclasses may word some errors their own way
-    (``error`` returning None leaves an error to the defaults)."""
+    (``error`` returning None leaves an error to the defaults). ``root`` is None for a
+    pydantic class that is no ``BaseModel`` (vLLM's configs): its keys are then not listed."""
 
-    def __init__(self, root: type[BaseModel]) -> None:
+    def __init__(self, root: type[BaseModel] | None) -> None:
         self.root = root
 
     def problems(self, exc: ValidationError) -> list[tuple[Loc, str]]:

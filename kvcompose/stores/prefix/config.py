@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvcompose.tree.conditions import RequestCondition
-from kvcompose.tree.messages import Wording, format_path
+from kvcompose.tree.messages import Wording, at
 
 
 class EmulateRead(BaseModel):
@@ -154,6 +154,4 @@ class PrefixStoreConfig(BaseModel):
         try:
             return cls.model_validate(extra)
         except ValidationError as exc:
-            loc, message = Wording(cls).problems(exc)[0]
-            where = f"{format_path(loc)}: " if loc else ""
-            raise ValueError(f"{cls.CONNECTOR}: {where}{message}") from None
+            raise ValueError(f"{cls.CONNECTOR}: {at(*Wording(cls).problems(exc)[0])}") from None
