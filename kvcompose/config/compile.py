@@ -291,11 +291,7 @@ def _check_known_hma(placed: list[_Placed], hma: Any) -> list[ErrorItem]:
     if hma is not True:
         return []
     return [
-        ErrorItem(
-            (*p.path, "connector"),
-            f"{shown(p.node.connector)} does not support HMA (the hybrid KV cache "
-            "manager), which this config requires (hma: true)",
-        )
+        ErrorItem((*p.path, "connector"), known.no_hma(p.node.connector))
         for p in placed
         if isinstance(p.node, Leaf)
         and (facts := known.known(p.node)) is not None

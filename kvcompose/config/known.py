@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvcompose.tree import Chain, Leaf, Node, walk
+from kvcompose.tree.messages import shown
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,15 @@ REMOTE_PREFILL = frozenset({"NixlConnector", "NixlPullConnector", "MooncakeConne
 def known(leaf: Leaf) -> KnownConnector | None:
     """The known facts of a leaf's connector (vLLM's own class: no ``module_path``)."""
     return KNOWN.get(leaf.connector) if leaf.module_path is None else None
+
+
+def no_hma(connector: str) -> str:
+    """The refusal of a leaf under ``hma: true`` whose connector lacks HMA (known offline, or
+    told by vLLM)."""
+    return (
+        f"{shown(connector)} does not support HMA (the hybrid KV cache manager), which this "
+        "config requires (hma: true)"
+    )
 
 
 def needs_package(leaf: Leaf) -> str | None:
@@ -113,4 +123,4 @@ def tree_warnings(tree: Node) -> Iterator[str]:
                 )
 
 
-__all__ = ["KNOWN", "LMCACHE", "KnownConnector", "describe", "known", "needs_package"]
+__all__ = ["KNOWN", "LMCACHE", "KnownConnector", "describe", "known", "needs_package", "no_hma"]

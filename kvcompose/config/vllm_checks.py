@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from kvcompose.config.deadline import UserCodeTimeout, limit_s, time_limit
 from kvcompose.config.errors import did_you_mean, shown
-from kvcompose.config.known import needs_package
+from kvcompose.config.known import needs_package, no_hma
 from kvcompose.tree import Leaf, Route, child_transfer_config, walk
 from kvcompose.tree.messages import Wording, at
 
@@ -176,11 +176,7 @@ def _check_leaf(
         info.note = f"requires_piecewise_for_cudagraph failed: {_one_line(exc)}"
     info.layout, info.layout_scope = _layout(cls, ktc)
     if config.hma is True and not info.supports_hma:
-        raise config.error(
-            (*path, "connector"),
-            f"{shown(node.connector)} does not support HMA (the hybrid KV "
-            "cache manager), which this config requires (hma: true)",
-        )
+        raise config.error((*path, "connector"), no_hma(node.connector))
     facts.leaves[node.name] = info
     package = needs_package(node)
     if package is not None and importlib.util.find_spec(package) is None:
