@@ -45,5 +45,16 @@ class Config:
         """A ``ConfigError`` about ``path`` (a document path), with file and line."""
         return ConfigError(located(self.linemap, self.translate(tuple(path)), message), self.label)
 
+    def vllm_transfer(self) -> dict[str, Any]:
+        """The top-level ``KVTransferConfig`` fields, for a config vLLM is to load: vLLM
+        needs ``kv_role`` there (``vllm-args`` and ``convert`` alike)."""
+        if "kv_role" not in self.transfer:
+            raise self.error(
+                ("kv_role",),
+                "required to start vLLM: set kv_role at the top of the config (kv_producer, "
+                "kv_consumer or kv_both)",
+            )
+        return dict(self.transfer)
+
     def leaf_paths(self) -> dict[str, Path]:
         return {n.name: n.path for n in self.nodes.values() if n.kind == "leaf"}

@@ -221,9 +221,7 @@ def multiconnector_from_config(
         raise nope(tree.name, "MultiConnector has no lookup timeout")
     if not tree.save:
         raise nope(tree.name, "MultiConnector always saves")
-    top = dict(config.transfer)
-    if "kv_role" not in top:
-        raise config.error(("kv_role",), "required: vLLM needs kv_role at the top level")
+    top = config.vllm_transfer()
     children = []
     for child in tree.children:
         if not isinstance(child, Leaf):

@@ -36,13 +36,7 @@ def vllm_args(config: Config, *, by_path: bool = False, module_path: bool = True
     KVTransferConfig fields go to the top of the vLLM config, where leaves inherit them.
     ``module_path=False`` omits ``kv_connector_module_path`` (relies on the vLLM plugin).
     """
-    transfer = dict(config.transfer)
-    if "kv_role" not in transfer:
-        raise config.error(
-            ("kv_role",),
-            "required to start vLLM: set kv_role at the top of "
-            "the config (kv_producer, kv_consumer or kv_both)",
-        )
+    transfer = config.vllm_transfer()
     out: dict[str, Any] = {"kv_connector": composite_class(config)}
     if module_path:
         out["kv_connector_module_path"] = MODULE_PATH
