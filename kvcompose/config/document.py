@@ -7,9 +7,10 @@ Both come from the same pydantic dump: only the node spelling differs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from kvcompose.tree import TRANSFER_FIELDS, VERSION, Document, Leaf, Node, dump_node
+from kvcompose.tree import NODE_KINDS, TRANSFER_FIELDS, VERSION, Document, Leaf, Node, dump_node
 
 
 def document_form(canonical: dict[str, Any]) -> dict[str, Any]:
@@ -18,6 +19,18 @@ def document_form(canonical: dict[str, Any]) -> dict[str, Any]:
     if "children" in body:
         body["children"] = [document_form(child) for child in body["children"]]
     return {canonical["kind"]: body}
+
+
+def node_bodies(tree: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(kind, body) of every node of a tree in the document form, parents first."""
+    if not isinstance(tree, dict):
+        return
+    for kind in NODE_KINDS:
+        body = tree.get(kind)
+        if isinstance(body, dict):
+            yield kind, body
+            for child in body.get("children") or ():
+                yield from node_bodies(child)
 
 
 def document_dict(doc: Document, tree: Node | None = None) -> dict[str, Any]:
@@ -65,4 +78,4 @@ def _without_inherited(node: Node, inherited: dict[str, Any]) -> Node:
     return node.model_copy(update={"children": children})
 
 
-__all__ = ["VERSION", "document_dict", "document_form", "document_from_tree"]
+__all__ = ["VERSION", "document_dict", "document_form", "document_from_tree", "node_bodies"]

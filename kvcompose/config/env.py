@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from kvcompose.config import reader
+from kvcompose.config.document import node_bodies
 from kvcompose.config.errors import ConfigError, did_you_mean, shown, shown_list
 from kvcompose.config.plain import check_plain
-from kvcompose.tree import NODE_KINDS, TRANSFER_FIELDS
+from kvcompose.tree import TRANSFER_FIELDS
 
 ENV_CONFIG_FILE = "KVCOMPOSE_CONFIG_FILE"
 ENV_SET = "KVCOMPOSE_SET"
@@ -95,18 +96,6 @@ def mapping_overrides(values: Mapping[str, Any], source: str) -> list[Override]:
     return [Override(f"{source} {key!r}", str(key), value) for key, value in values.items()]
 
 
-def _node_bodies(tree: Any) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(name, body) for every node of a normalised document tree (names filled in)."""
-    if not isinstance(tree, dict):
-        return
-    for kind in NODE_KINDS:
-        body = tree.get(kind)
-        if isinstance(body, dict):
-            yield body.get("name", ""), body
-            for child in body.get("children") or ():
-                yield from _node_bodies(child)
-
-
 def apply_override(document: dict[str, Any], override: Override) -> dict[str, Any]:
     """A copy of the (normalised) document with ``override`` applied."""
     doc = copy.deepcopy(document)
@@ -116,7 +105,8 @@ def apply_override(document: dict[str, Any], override: Override) -> dict[str, An
         doc[override.key] = override.value  # unknown keys are reported by validation
         return doc
     name, *keys = override.key.split(".")
-    bodies = dict(_node_bodies(doc.get("tree")))
+    # a normalised document: every node is named
+    bodies = {body.get("name", ""): body for _, body in node_bodies(doc.get("tree"))}
     if name not in bodies:
         raise ConfigError(
             f"{override.source}: no node named {shown(name)}"

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from kvcompose.config.document import document_from_tree
+from kvcompose.config.document import document_from_tree, node_bodies
 from kvcompose.config.errors import ConfigError
 from kvcompose.config.load import Config
 from kvcompose.tree import TRANSFER_FIELDS, VERSION
@@ -129,7 +129,7 @@ def simplify_document(document: dict[str, Any]) -> dict[str, Any]:
     import copy
 
     doc = copy.deepcopy(document)
-    leaves = list(_leaf_bodies(doc.get("tree")))
+    leaves = [body for kind, body in node_bodies(doc.get("tree")) if kind == "leaf"]
     for key in TRANSFER_FIELDS:
         if key in doc or not leaves:
             continue
@@ -151,14 +151,3 @@ def simplify_document(document: dict[str, Any]) -> dict[str, Any]:
 
 
 _MISSING = object()
-
-
-def _leaf_bodies(node: Any):
-    if not isinstance(node, dict):
-        return
-    for kind, body in node.items():
-        if kind == "leaf":
-            yield body
-        elif isinstance(body, dict):
-            for child in body.get("children") or ():
-                yield from _leaf_bodies(child)
