@@ -28,6 +28,7 @@ from kvcompose.config.limits import (
     size_text,
 )
 from kvcompose.tree import NAME_PATTERN, VERSION, Chain, Document, Fanout, Leaf, Route, RouteRule
+from kvcompose.tree.messages import BOUND_SIGNS
 
 #: The prose of docs/config.md, with ``$name`` placeholders for the generated parts.
 _TEMPLATE = Path(__file__).with_name("reference.md.tmpl")
@@ -91,11 +92,10 @@ def settings_table(model: type[BaseModel]) -> str:
 
 def _bounds(metadata: list[Any]) -> str:
     """`` >= 1`` for ``Field(ge=1)`` (annotated-types constraints, as pydantic keeps them)."""
-    signs = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
     bounds = [
         f"{sign} {getattr(m, attr)}"
         for m in metadata
-        for attr, sign in signs.items()
+        for attr, sign in BOUND_SIGNS.items()
         if getattr(m, attr, None) is not None
     ]
     return " " + ", ".join(bounds) if bounds else ""

@@ -26,12 +26,8 @@ MAX_SHOWN = 60
 
 Loc = tuple[str | int, ...]
 
-_BOUNDS = {
-    "greater_than": ">",
-    "greater_than_equal": ">=",
-    "less_than": "<",
-    "less_than_equal": "<=",
-}
+#: A numeric bound's sign, by its name in a ``Field`` and in pydantic's error context.
+BOUND_SIGNS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
 #: pydantic's words for JSON's values, in the words of a YAML or JSON config.
 _WORDS = {"dictionary": "mapping", "tuple": "list"}
 _EXPECTED = re.compile(r"Input should be (?:a valid |an? )?([^,]*)")
@@ -130,9 +126,9 @@ class Wording:
             listed = ", ".join(repr(o) for o in options)
             hint = did_you_mean(value, options)
             return loc, f"must be one of {listed}, got {describe(value)}{hint}"
-        if kind in _BOUNDS:
-            bound = next(iter(ctx.values()), "?")
-            return loc, f"must be {_BOUNDS[kind]} {bound}, got {shown(value)}"
+        bound = next((name for name in ctx if name in BOUND_SIGNS), None)
+        if bound is not None:  # greater_than and its kin
+            return loc, f"must be {BOUND_SIGNS[bound]} {ctx[bound]}, got {shown(value)}"
         if kind in ("string_too_short", "too_short") and ctx.get("min_length") == 1:
             return loc, "must not be empty"
         if kind == "string_too_long":
