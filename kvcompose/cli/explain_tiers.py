@@ -8,6 +8,7 @@ Read through the store's own model (``PrefixStoreConfig``: its defaults, no vLLM
 
 from __future__ import annotations
 
+from kvcompose.config.limits import size_text
 from kvcompose.stores.prefix.admission import AdmissionRule
 from kvcompose.stores.prefix.config import PrefixStoreConfig
 from kvcompose.tree import Leaf, Node
@@ -19,13 +20,6 @@ def is_store(leaf: Leaf) -> bool:
     return leaf.connector in STORE_CONNECTORS and (leaf.module_path or "").startswith("kvcompose")
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
 def settings(leaf: Leaf) -> PrefixStoreConfig:
     """The store's settings, defaults filled in by its model (keys a test double adds are
     left out; ``validate`` has already refused a bad value)."""
@@ -34,12 +28,19 @@ def settings(leaf: Leaf) -> PrefixStoreConfig:
     return PrefixStoreConfig.from_extra_config(extra)
 
 
+def _promotes(leaf: Leaf) -> bool:
+    try:
+        return settings(leaf).promote
+    except ValueError:  # the leaf's own lines say why
+        return False
+
+
 def capacity_text(config: PrefixStoreConfig) -> str:
     parts = []
     if config.max_chunks is not None:
         parts.append(f"{config.max_chunks} chunks")
     if config.max_bytes is not None:
-        parts.append(_size(config.max_bytes))
+        parts.append(size_text(config.max_bytes))
     if not parts:
         return "capacity: unbounded"
     return "capacity: " + " and ".join(parts) + " (evicts least recently used; first chunks last)"
@@ -89,7 +90,7 @@ def promotion_lines(tree: Node) -> dict[str, str]:
         if not children:
             return
         stores = [c for c in children if isinstance(c, Leaf) and is_store(c)]
-        promoted = [c for c in stores if (c.extra_config or {}).get("promote")]
+        promoted = [c for c in stores if _promotes(c)]
         for leaf in promoted:
             others = [c.name for c in children if c is not leaf]
             out[leaf.name] = (
