@@ -18,9 +18,7 @@ from kvcompose.config.errors import (
     ConfigError,
     Path,
     describe,
-    did_you_mean,
     located,
-    shown,
 )
 from kvcompose.config.extra_config import EXTRA_CONFIG
 from kvcompose.config.source import Source
@@ -32,6 +30,7 @@ from kvcompose.tree import (
     Chain,
     Leaf,
 )
+from kvcompose.tree.messages import unknown
 
 MULTI = "MultiConnector"
 COMPAT_MODULE = "kvcompose.compat"
@@ -44,6 +43,7 @@ _TO_LEAF = {
     "kv_connector_extra_config": "extra_config",
 }
 _FROM_LEAF = {v: k for k, v in _TO_LEAF.items()}
+_KTC_KEY = "KVTransferConfig key"
 
 
 def kv_transfer_fields() -> tuple[str, ...]:
@@ -80,9 +80,7 @@ def document_from_multiconnector(
     if "kv_connector" in data:
         for key in data:
             if key not in fields:
-                raise fail(
-                    (key,), f"unknown KVTransferConfig key {shown(key)}{did_you_mean(key, fields)}"
-                )
+                raise fail((key,), unknown(key, fields, what=_KTC_KEY))
         for key, value in data.items():
             if key not in OWN_FIELDS:
                 _put_field(doc, key, value)
@@ -96,7 +94,7 @@ def document_from_multiconnector(
         allowed = ["connectors", *EXTRA_KEYS, *TRANSFER_FIELDS, "transfer_config"]
     for key in extra:
         if key not in allowed:
-            message = f"unknown key {shown(key)}{did_you_mean(key, allowed)}"
+            message = unknown(key, allowed)
             raise ConfigError(located(src.linemap, translate((*prefix, key)), message), src.label)
         if key in EXTRA_KEYS or key in TRANSFER_FIELDS or key == "transfer_config":
             _put_field(doc, key, extra[key])
@@ -129,10 +127,7 @@ def _chain(extra: Mapping[str, Any], fields: tuple[str, ...], fail: Any) -> dict
             raise fail(here[:-1], f"expected a connector config (a mapping), got {describe(child)}")
         for key in child:  # first: a typo explains a missing kv_connector
             if key not in fields:
-                raise fail(
-                    (*here, _TO_LEAF.get(key, key)),
-                    f"unknown KVTransferConfig key {shown(key)}{did_you_mean(key, fields)}",
-                )
+                raise fail((*here, _TO_LEAF.get(key, key)), unknown(key, fields, what=_KTC_KEY))
         if "kv_connector" not in child:
             raise fail(here[:-1], "missing required key 'kv_connector'")
         if child.get("kv_connector") == MULTI and child.get("kv_connector_module_path") in (

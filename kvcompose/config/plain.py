@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from kvcompose.config.errors import ConfigError, ErrorItem, LineMap, Path, describe, shown
 from kvcompose.config.limits import MAX_ALIAS_NODES, MAX_DEPTH, MAX_INT_DIGITS
 from kvcompose.config.reader import NOT_FINITE, TOO_DEEP, TOO_MANY_DIGITS, Marks, NotJson
+from kvcompose.tree.messages import key_not_string
 
 _SCALARS = (str, bool, type(None))
 #: Integers with more digits than this are refused (checked by magnitude, not by str()).
@@ -128,11 +129,7 @@ def check_plain(data: Any, label: str | None, marks: Marks | None = None) -> Lin
                     continue
                 if not isinstance(key, str) and isinstance(frame[0], Mapping):
                     # reported at the mapping, on the key's line; its value is not walked
-                    message = (
-                        key.message
-                        if isinstance(key, NotJson)
-                        else f"keys must be strings, got {describe(key)}"
-                    )
+                    message = key.message if isinstance(key, NotJson) else key_not_string(key)
                     problem(frame[1], message, linemap.get((*frame[1], key)))
                     frame[4] += 1
                     continue

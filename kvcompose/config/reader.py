@@ -30,8 +30,9 @@ from typing import Any
 
 import yaml
 
-from kvcompose.config.errors import describe, shown
+from kvcompose.config.errors import shown
 from kvcompose.config.limits import MAX_DEPTH, MAX_INT_DIGITS
+from kvcompose.tree.messages import key_not_string
 
 _TAG = "tag:yaml.org,2002:"
 _MERGE = f"{_TAG}merge"
@@ -185,14 +186,13 @@ class YamlLoader(_Base):  # type: ignore[misc]
     def construct_key(self, node: yaml.Node) -> Any:
         """A mapping key: its text, or a ``NotJson`` saying why it is no string."""
         if not isinstance(node, yaml.ScalarNode):
-            kind = "a mapping" if isinstance(node, yaml.MappingNode) else "a list"
-            return NotJson(f"keys must be strings, got {kind}")
+            return NotJson(key_not_string({} if isinstance(node, yaml.MappingNode) else []))
         if node.tag == _STR and self.text_ok(node):
             return node.value
         key = self.construct_object(node)
         if isinstance(key, (str, NotJson)):
             return key
-        message, surprise = f"keys must be strings, got {describe(key)}", _surprise(node)
+        message, surprise = key_not_string(key), _surprise(node)
         return NotJson(f"{message} ({surprise})" if surprise else message)
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> Any:

@@ -14,7 +14,7 @@ import difflib
 import re
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pydantic import BaseModel, Tag, ValidationError
@@ -79,6 +79,21 @@ def did_you_mean(word: Any, choices: Iterable[str]) -> str:
     return f" (did you mean {meant!r}?)" if meant else ""
 
 
+def unknown(key: Any, allowed: Sequence[str], meant: str | None = None, what: str = "key") -> str:
+    """``unknown key 'x'`` and the key it was probably meant as (``meant``, else the closest
+    of ``allowed``), or else the keys ``allowed``."""
+    text = f"unknown {what} {shown(key)}"
+    meant = meant or closest(key, allowed)
+    if meant:
+        return f"{text} (did you mean {meant!r}?)"
+    return f"{text} (allowed: {', '.join(allowed)})" if allowed else text
+
+
+def key_not_string(key: Any) -> str:
+    """A mapping key that is not a string (for YAML's mapping or list keys: ``{}``, ``[]``)."""
+    return f"keys must be strings, got {describe(key)}"
+
+
 class Wording:
     """How a model's validation errors read. Subclasses may word some errors their own way
     (``error`` returning None leaves an error to the defaults). ``root`` is None for a
@@ -116,7 +131,7 @@ class Wording:
         if kind == "kvcompose":  # tree.fields.custom_error: our own words, as they are
             return loc, err["msg"]
         if kind == "invalid_key":  # config and proxy data never get here (plain.check_plain)
-            return loc[:-1], f"keys must be strings, got {describe(loc[-1])}"
+            return loc[:-1], key_not_string(loc[-1])
         if kind == "extra_forbidden":
             return loc, self.unknown_key(loc)
         if kind == "missing":
@@ -166,12 +181,7 @@ class Wording:
         return closest(loc[-1], self.allowed(loc[:-1]))
 
     def unknown_key(self, loc: Loc) -> str:
-        text = f"unknown key {shown(loc[-1])}"
-        meant = self.meant(loc)
-        if meant:
-            return f"{text} (did you mean {meant!r}?)"
-        allowed = self.allowed(loc[:-1])
-        return f"{text} (allowed: {', '.join(allowed)})" if allowed else text
+        return unknown(loc[-1], self.allowed(loc[:-1]), self.meant(loc))
 
     def missing(self, loc: Loc) -> str:
         """``missing required key 'x'``, with the first words of the field's description."""

@@ -178,3 +178,18 @@ def test_kv_role_required_for_multiconnector() -> None:
     )
     with pytest.raises(ConfigError, match="kv_role: required"):
         multiconnector_from_config(config)
+
+
+def test_unknown_keys_read_as_a_documents_do() -> None:
+    """A MultiConnector key with no close spelling lists what is allowed, as a document's
+    unknown key does (one wording: tree.messages.unknown)."""
+    extra = {"connectors": [{"kv_connector": "ExampleConnector"}], "zzz": 1}
+    with pytest.raises(ConfigError) as info:
+        load_config(extra, env={}, check_vllm=False)
+    assert str(info.value).startswith("zzz: unknown key 'zzz' (allowed: connectors, strict, hma,")
+    child = {"kv_connector": "ExampleConnector", "zzz": 1}
+    with pytest.raises(ConfigError) as info:
+        load_config({"connectors": [child]}, env={}, check_vllm=False)
+    assert str(info.value).startswith(
+        "connectors[0].zzz: unknown KVTransferConfig key 'zzz' (allowed: kv_connector,"
+    )
