@@ -35,15 +35,7 @@ _TEMPLATE = Path(__file__).with_name("reference.md.tmpl")
 
 
 def render_markdown() -> str:
-    env_rows = [
-        f"  - `{ENV_CONFIG_FILE}`: the config file when `kv_connector_extra_config` names none;"
-    ]
-    env_rows.append(
-        f"  - `{ENV_SET}`: `key=value` assignments separated by `;` or newlines, `key` a "
-        "top-level field or `node.key`, e.g. `kv_role=kv_producer; tiers.policy=first; "
-        "disk.save=false`."
-    )
-    text = string.Template(_TEMPLATE.read_text(encoding="utf-8")).substitute(
+    return string.Template(_TEMPLATE.read_text(encoding="utf-8")).substitute(
         version=VERSION,
         document=settings_table(Document),
         leaf=settings_table(Leaf),
@@ -52,7 +44,6 @@ def render_markdown() -> str:
         route=settings_table(Route),
         rule=settings_table(RouteRule),
         pattern=NAME_PATTERN,
-        env="\n".join(env_rows),
         env_set=ENV_SET,
         env_file=ENV_CONFIG_FILE,
         max_bytes=size_text(MAX_FILE_BYTES),
@@ -65,7 +56,6 @@ def render_markdown() -> str:
         check_env=deadline.ENV,
         grace_s=f"{deadline.GRACE_S:g}",
     )
-    return text
 
 
 #: Fields whose type is a tree node, or a list of nodes or rules.
