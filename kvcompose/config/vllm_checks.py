@@ -207,24 +207,24 @@ _MORE_TIME = "KVCOMPOSE_CHECK_TIMEOUT=SECONDS allows longer"
 
 
 def _import(config: Any, where: tuple, name: str) -> ModuleType:
-    with contextlib.redirect_stdout(sys.stderr):
-        try:
-            return importlib.import_module(name)
-        except SystemExit as exc:
-            raise config.error(
-                where,
-                f"cannot import module {shown(name)}: it calls sys.exit({exc.code!r}) on import",
-            ) from None
-        except UserCodeTimeout as exc:
-            raise config.error(
-                where,
-                f"importing module {shown(name)} did not finish within {exc.seconds:g} s "
-                f"({_MORE_TIME})",
-            ) from None
-        except Exception as exc:
-            raise config.error(
-                where, f"cannot import module {shown(name)} ({_one_line(exc)})"
-            ) from None
+    """``name`` imported (inside ``_user_code``: its prints already go to stderr)."""
+    try:
+        return importlib.import_module(name)
+    except SystemExit as exc:
+        raise config.error(
+            where,
+            f"cannot import module {shown(name)}: it calls sys.exit({exc.code!r}) on import",
+        ) from None
+    except UserCodeTimeout as exc:
+        raise config.error(
+            where,
+            f"importing module {shown(name)} did not finish within {exc.seconds:g} s "
+            f"({_MORE_TIME})",
+        ) from None
+    except Exception as exc:
+        raise config.error(
+            where, f"cannot import module {shown(name)} ({_one_line(exc)})"
+        ) from None
 
 
 def _connector_class(config: Any, where: tuple, cls: Any, what: str) -> type:
