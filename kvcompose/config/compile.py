@@ -117,10 +117,7 @@ def compile_document(
 
     root = _place(doc.tree, ("tree", doc.tree.kind), None, None)
     placed = list(_walk(root))
-    problems = _assign_names(placed)
-    problems += _check_references(placed)
-    problems += _check_params(placed)
-    problems += _check_known_hma(placed, doc.hma)
+    problems = _check_whole(placed) + _check_known_hma(placed, doc.hma)
     if problems:
         raise fail(problems)
 
@@ -144,7 +141,11 @@ def compile_document(
 def check_tree(tree: Node) -> list[ErrorItem]:
     """The checks that need the whole tree, for a tree that comes without a document (the
     internal form): unique names, references to children, ``kv_transfer_params`` clashes."""
-    placed = list(_walk(_place(tree, (tree.kind,), None, None)))
+    return _check_whole(list(_walk(_place(tree, (tree.kind,), None, None))))
+
+
+def _check_whole(placed: list[_Placed]) -> list[ErrorItem]:
+    """Names (default names filled in), references to children, params clashes."""
     return _assign_names(placed) + _check_references(placed) + _check_params(placed)
 
 
