@@ -253,12 +253,12 @@ class JsonLoader(YamlLoader):
             return "an alias (*name) is YAML, not JSON"
         if isinstance(node, yaml.ScalarNode):
             plain = not node.style  # libyaml: "", PyYAML: None
-            if node.tag == f"{_TAG}str" and node.style != '"':
+            if node.tag == _STR and node.style != '"':
                 if plain:
                     return f"unquoted text {shown(node.value)}: JSON strings are in double quotes"
                 kind = "single-quoted" if node.style == "'" else "YAML block"
                 return f"a {kind} string: JSON strings are in double quotes"
-            if node.tag != f"{_TAG}str" and not plain:
+            if node.tag != _STR and not plain:
                 return f"a tag ({node.tag}) is YAML, not JSON"
             return None
         if not node.flow_style:

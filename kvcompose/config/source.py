@@ -55,7 +55,8 @@ def read_file(path: str | os.PathLike) -> Source:
 
 
 def read_stream(stream: IO[Any], label: str = STDIN) -> Source:
-    """Parse standard input (or another stream): JSON when it parses as JSON, else YAML."""
+    """Parse standard input (or another stream): JSON when it starts as a JSON object does,
+    else YAML (``parse_bytes``)."""
     raw = stream.read(MAX_FILE_BYTES + 1)
     if isinstance(raw, str):  # a text stream without a buffer (tests)
         raw = raw.encode("utf-8", "surrogateescape")

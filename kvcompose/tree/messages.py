@@ -73,20 +73,19 @@ def closest(word: Any, choices: Iterable[str]) -> str | None:
     return {c.lower(): c for c in choices}.get(word.lower())
 
 
-def did_you_mean(word: Any, choices: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` or an empty string."""
-    meant = closest(word, choices)
+def did_you_mean(word: Any, choices: Iterable[str], meant: str | None = None) -> str:
+    """`` (did you mean 'x'?)`` (``meant``, else the closest choice) or an empty string."""
+    meant = meant or closest(word, choices)
     return f" (did you mean {meant!r}?)" if meant else ""
 
 
 def unknown(key: Any, allowed: Sequence[str], meant: str | None = None, what: str = "key") -> str:
     """``unknown key 'x'`` and the key it was probably meant as (``meant``, else the closest
     of ``allowed``), or else the keys ``allowed``."""
-    text = f"unknown {what} {shown(key)}"
-    meant = meant or closest(key, allowed)
-    if meant:
-        return f"{text} (did you mean {meant!r}?)"
-    return f"{text} (allowed: {', '.join(allowed)})" if allowed else text
+    hint = did_you_mean(key, allowed, meant)
+    if not hint and allowed:
+        hint = f" (allowed: {', '.join(allowed)})"
+    return f"unknown {what} {shown(key)}{hint}"
 
 
 def key_not_string(key: Any) -> str:
