@@ -11,13 +11,14 @@ from kvcompose.config.errors import ErrorItem, shown
 from kvcompose.tree import NODE_KIND_ERROR, NODE_KINDS, TRANSFER_FIELDS, Document
 from kvcompose.tree.messages import Loc, Wording
 
-#: vLLM's spelling -> ours, for "did you mean".
-_ALIASES = {
+#: vLLM's spelling of a leaf's own keys -> ours (MultiConnector JSON is read with it too).
+LEAF_KEYS = {
     "kv_connector": "connector",
     "kv_connector_module_path": "module_path",
     "kv_connector_extra_config": "extra_config",
-    "connectors": "children",
 }
+#: vLLM's spelling -> ours, for "did you mean".
+_ALIASES = {**LEAF_KEYS, "connectors": "children"}
 #: Listed last among a mapping's keys: inherited, rarely set.
 _LATE = frozenset((*TRANSFER_FIELDS, "transfer_config"))
 

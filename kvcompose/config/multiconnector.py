@@ -21,6 +21,7 @@ from kvcompose.config.errors import (
     located,
 )
 from kvcompose.config.extra_config import EXTRA_CONFIG
+from kvcompose.config.messages import LEAF_KEYS
 from kvcompose.config.source import Source
 from kvcompose.tree import (
     DEFAULT_LOOKUP_TIMEOUT_S,
@@ -37,12 +38,7 @@ COMPAT_MODULE = "kvcompose.compat"
 #: Document keys accepted next to ``connectors`` in the extra config.
 EXTRA_KEYS = ("strict", "hma")
 
-_TO_LEAF = {
-    "kv_connector": "connector",
-    "kv_connector_module_path": "module_path",
-    "kv_connector_extra_config": "extra_config",
-}
-_FROM_LEAF = {v: k for k, v in _TO_LEAF.items()}
+_FROM_LEAF = {v: k for k, v in LEAF_KEYS.items()}
 _KTC_KEY = "KVTransferConfig key"
 
 
@@ -127,7 +123,7 @@ def _chain(extra: Mapping[str, Any], fields: tuple[str, ...], fail: Any) -> dict
             raise fail(here[:-1], f"expected a connector config (a mapping), got {describe(child)}")
         for key in child:  # first: a typo explains a missing kv_connector
             if key not in fields:
-                raise fail((*here, _TO_LEAF.get(key, key)), unknown(key, fields, what=_KTC_KEY))
+                raise fail((*here, LEAF_KEYS.get(key, key)), unknown(key, fields, what=_KTC_KEY))
         if "kv_connector" not in child:
             raise fail(here[:-1], "missing required key 'kv_connector'")
         if child.get("kv_connector") == MULTI and child.get("kv_connector_module_path") in (
@@ -148,9 +144,9 @@ def _chain(extra: Mapping[str, Any], fields: tuple[str, ...], fail: Any) -> dict
             continue
         leaf: dict[str, Any] = {}
         for key, value in child.items():
-            if key in _TO_LEAF:
+            if key in LEAF_KEYS:
                 if value is not None and value != {}:
-                    leaf[_TO_LEAF[key]] = value
+                    leaf[LEAF_KEYS[key]] = value
             else:
                 _put_field(leaf, key, value)
         children.append({"leaf": leaf})
