@@ -9,7 +9,6 @@ the extra config's shape, not of the tree.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +60,8 @@ def split_extra(
     ]
     if "config" in extra:
         path = extra["config"]
-        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        # a path object was made text before the walk (config_from_extra_config)
+        if not isinstance(path, str) or not path:
             got = "an empty string" if path == "" else describe(path)
             raise ConfigError(
                 located(outer.linemap, (*prefix, "config"), f"expected a file path, got {got}"),
@@ -69,7 +69,7 @@ def split_extra(
             )
         return Found(
             top + late,
-            file=os.fspath(path),
+            file=path,
             referrer=Referrer(label, (*prefix, "config"), outer.linemap),
         )
     if env.get(ENV_CONFIG_FILE):

@@ -199,6 +199,12 @@ def test_missing_config_file(tmp_path: Path) -> None:
         tree_from_extra_config({"config": str(tmp_path / "nope.yaml")}, env={})
 
 
+def test_config_may_be_a_path_object(tree_file: str) -> None:
+    """Made text before the walk, which refuses what is not JSON."""
+    tree = tree_from_extra_config({"config": Path(tree_file)}, env={}, check_vllm=False)
+    assert tree.policy == "longest"
+
+
 # --------------------------------------------------------------------------- precedence
 
 
