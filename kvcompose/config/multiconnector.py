@@ -92,8 +92,8 @@ def document_from_multiconnector(
         if key not in allowed:
             message = unknown(key, allowed)
             raise ConfigError(located(src.linemap, translate((*prefix, key)), message), src.label)
-        if key in EXTRA_KEYS or key in TRANSFER_FIELDS or key == "transfer_config":
-            _put_field(doc, key, extra[key])
+        if key != "connectors":  # allowed: a document key
+            doc[key] = extra[key]
     doc["tree"] = _chain(extra, fields, fail)
     return doc, back
 
