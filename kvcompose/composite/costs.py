@@ -52,6 +52,8 @@ FALLBACK_BYTES_PER_TOKEN = 32 * 1024
 PROBES = 2
 #: A cold child's first probe (tokens); each next one is 4x the last.
 PROBE_TOKENS = 128
+#: A ``LoadCost``'s line: setting either tells its ``Costs`` (``Costs._lines_changed``).
+_LINE = frozenset(("latency_s", "tokens_per_s"))
 
 
 def kv_bytes_per_token(vllm_config: VllmConfig) -> int:
@@ -93,6 +95,16 @@ class LoadCost:
         """Little to go on but the documented default: no prior set, fewer than ``PROBES``
         loads timed."""
         return not self.prior_given and self.measured < PROBES
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name in _LINE and (changed := self.__dict__.get("_on_line_change")) is not None:
+            changed()
+
+    def watch(self, changed: Callable[[], None]) -> None:
+        """Call ``changed`` whenever the line (``latency_s``, ``tokens_per_s``) is set: by
+        ``observe``, or by a test or tool setting it directly."""
+        object.__setattr__(self, "_on_line_change", changed)
 
     def predict(self, tokens: int) -> float:
         return self.latency_s + tokens / self.tokens_per_s
@@ -137,7 +149,15 @@ class Expected:
     tokens: int
     predicted_s: float
     is_async: bool
-    since: float
+    #: when it was given out; None for a sync load (only an async one's queue reads it)
+    since: float | None
+
+
+#: What ``Costs`` keeps of a load awaiting its time, by child and request: ``(tokens,
+#: predicted_s, since)``; an ``Expected`` is made of it only when its time comes (a lookup
+#: gives one out per load it plans, on the scheduler's per-request path: a tuple costs less
+#: to make and to drop).
+_Waiting = tuple[int, float, float | None]
 
 
 @dataclass
@@ -150,21 +170,34 @@ class Costs:
     prefill_tokens_per_s: float
     clock: Callable[[], float] = time.monotonic
     prefill_measured: int = 0
-    steps: int = 0
     # sync loads by the step they were given out in: since the last ``step`` (``_sync``) and
     # in the step before (``_sync_before``); a step drops the older table whole
-    _sync: list[dict[str, Expected]] = field(default_factory=list)
-    _sync_before: list[dict[str, Expected]] = field(default_factory=list)
-    _async: list[dict[str, Expected]] = field(default_factory=list)
+    _sync: list[dict[str, _Waiting]] = field(default_factory=list)
+    _sync_before: list[dict[str, _Waiting]] = field(default_factory=list)
+    _async: list[dict[str, _Waiting]] = field(default_factory=list)
     _last_step: tuple[float, int] | None = None
     _sync_load_s: float = 0.0  # the sync loads timed since the last step was scheduled
     #: every child has a prior or ``PROBES`` timed loads (set by ``any_cold``; never unset)
     warm_for_good: bool = False
+    #: derived from the children's lines, refreshed whenever one is set (``_lines_changed``),
+    #: not per lookup: the fastest child's rate (a bound: no load reads faster), and whether
+    #: every line has latency >= 0 and rate > 0 (every load costs something: a plan's sums
+    #: only grow)
+    fastest_rate: float = field(default=0.0, init=False)
+    lines_bounded: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self._sync = [{} for _ in self.loads]
         self._sync_before = [{} for _ in self.loads]
         self._async = [{} for _ in self.loads]
+        for load in self.loads:
+            load.watch(self._lines_changed)
+        self._lines_changed()
+
+    def _lines_changed(self) -> None:
+        loads = self.loads
+        self.fastest_rate = max((load.tokens_per_s for load in loads), default=0.0)
+        self.lines_bounded = all(load.latency_s >= 0 and load.tokens_per_s > 0 for load in loads)
 
     @classmethod
     def for_tree(cls, tree: nodes.Chain, vllm_config: VllmConfig) -> Costs:
@@ -183,17 +216,25 @@ class Costs:
     @property
     def expected(self) -> dict[tuple[str, int], Expected]:
         """Every load awaiting its time, by (request, child) (for tests and the log)."""
-        return {
-            (e.req_id, e.child): e
-            for waiting in (*self._sync_before, *self._sync, *self._async)
-            for e in waiting.values()
-        }
+        out = {}
+        for tables, is_async in (
+            (self._sync_before, False),
+            (self._sync, False),
+            (self._async, True),
+        ):
+            for child, waiting in enumerate(tables):
+                for req_id, (tokens, predicted_s, since) in waiting.items():
+                    out[req_id, child] = Expected(
+                        req_id, child, tokens, predicted_s, is_async, since
+                    )
+        return out
 
     # ------------------------------------------------------------- predictions
     def queue_s(self, child: int) -> float:
         """The predicted time left of ``child``'s async loads in flight."""
         now = self.clock()
-        return sum(max(0.0, e.predicted_s - (now - e.since)) for e in self._async[child].values())
+        waiting = self._async[child].values()  # an async load's ``since`` is always set
+        return sum(max(0.0, p - (now - since)) for _, p, since in waiting)  # type: ignore[operator]
 
     def any_cold(self) -> bool:
         """Whether a child may be cold (``cold``): False for good once every child has its
@@ -245,16 +286,19 @@ class Costs:
     def expect(
         self, req_id: str, child: int, tokens: int, predicted_s: float, is_async: bool
     ) -> None:
-        waiting = (self._async if is_async else self._sync)[child]
-        waiting[req_id] = Expected(req_id, child, tokens, predicted_s, is_async, self.clock())
+        if is_async:
+            self._async[child][req_id] = (tokens, predicted_s, self.clock())
+        else:  # its time comes with its step's output: nothing waits on it, no clock read
+            self._sync[child][req_id] = (tokens, predicted_s, None)
 
     def forget(self, req_id: str, *, in_flight_only: bool = False) -> None:
         """The request's loads will not be timed (a 0 grant; a finish before an async load's
         receive: a sync load's time still comes with its step's output). Only the children
         with loads awaiting their time are looked at (every lookup and finish calls this)."""
-        for waiting in self._async:
-            if waiting:
-                waiting.pop(req_id, None)
+        if any(self._async):  # (the common finish: no async load awaits a time)
+            for waiting in self._async:
+                if waiting:
+                    waiting.pop(req_id, None)
         if not in_flight_only:
             for waiting in self._sync:
                 if waiting:
@@ -270,33 +314,39 @@ class Costs:
         for (req_id, child), seconds in times.items():
             if not 0 <= child < len(self.loads):
                 continue
-            expected = (
-                self._sync[child].pop(req_id, None)
-                or self._sync_before[child].pop(req_id, None)
-                or self._async[child].pop(req_id, None)
-            )
-            if expected is not None:
-                self.loads[child].observe(expected.tokens, seconds)
-                done.append((expected, seconds))
-                if not expected.is_async:
+            waiting = self._sync[child].pop(req_id, None)
+            if waiting is None:
+                waiting = self._sync_before[child].pop(req_id, None)
+            is_async = waiting is None
+            if is_async:
+                waiting = self._async[child].pop(req_id, None)
+            if waiting is not None:
+                tokens, predicted_s, since = waiting
+                self.loads[child].observe(tokens, seconds)
+                done.append(
+                    (Expected(req_id, child, tokens, predicted_s, is_async, since), seconds)
+                )
+                if not is_async:
                     self._sync_load_s += seconds
         return done
 
     def step(self, scheduled_tokens: int) -> None:
         """A step was scheduled with ``scheduled_tokens``: the previous one's time is known."""
         now = self.clock()
-        if self._last_step is not None:
-            since, tokens = self._last_step
+        last = self._last_step
+        if last is not None and last[1] >= MIN_PREFILL_STEP_TOKENS:
+            since, tokens = last
             elapsed = now - since - self._sync_load_s
-            if tokens >= MIN_PREFILL_STEP_TOKENS and elapsed > 0:
+            if elapsed > 0:
                 # the first measurement halves the prior's weight, later ones move it by 1/5
                 alpha = 0.5 if not self.prefill_measured else 1 - DECAY
                 self.prefill_tokens_per_s += alpha * (tokens / elapsed - self.prefill_tokens_per_s)
                 self.prefill_measured += 1
         self._last_step = (now, scheduled_tokens)
         self._sync_load_s = 0.0
-        self.steps += 1
         # a sync load's time came with its step's output, or never will (its child raised):
-        # those given out before the previous step are dropped, a table at a time
-        self._sync_before = self._sync
-        self._sync = [{} for _ in self.loads]
+        # those given out before the previous step are dropped, a table at a time (nothing to
+        # move in a step without new requests: this runs every step, with cold caches)
+        if any(self._sync) or any(self._sync_before):
+            self._sync_before = self._sync
+            self._sync = [{} for _ in self.loads]

@@ -83,9 +83,6 @@ BETTER_BY = 1e-9
 _KEEP = 1 - BETTER_BY
 #: The share of a subtree's bound, computed in floating point, that its plans surely cost.
 _SAFE = 1 - 1e-12
-#: ``tuple.__new__``: a named tuple made from a tuple of its fields, without the Python-level
-#: ``__new__`` the class has (a lookup's hot path makes one or two).
-_new = tuple.__new__
 
 
 class Hit(NamedTuple):
@@ -158,44 +155,54 @@ class Planner:
             return self._one(hits[0], local, num_tokens, costs, recompute)
         if not hits:
             return Choice((), recompute)
-        if weighed is None and not cold:
-            found = self.scan(hits, local, num_tokens, costs, recompute)
+        if weighed is None and not cold and not any(h[2] for h in hits):
+            longest = max(h[1] for h in hits)
+            found = self.scan(hits, local, num_tokens, costs, recompute, longest)
             if found is not None:
-                return found
+                child, end, total, _ = found
+                return Choice((Part(child, local, end, False),) if child >= 0 else (), total)
         return _Walk(self, hits, local, num_tokens, costs, weighed).run(recompute)
 
     def scan(
-        self, hits: Sequence[Hit], local: int, num_tokens: int, costs: Costs, recompute_s: float
-    ) -> Choice | None:
-        """The walk's first level inline, where every hit is sync and warm: each child's
-        segment from ``local`` priced in the walk's order, and its extensions skipped by the
-        walk's bound (``_Walk._bound``), every number as the walk computes it. None (the walk
-        decides) as soon as an extension cannot be skipped, or a segment could be cut for
-        another child. Where children hold prefixes of one another at similar prices, the
-        longest hit's segment reaches the bound and no stitch need be looked at."""
-        loads = costs.loads
+        self,
+        hits: Sequence[Hit],
+        local: int,
+        num_tokens: int,
+        costs: Costs,
+        recompute_s: float,
+        longest: int,
+    ) -> tuple[int, int, float, float] | None:
+        """The walk's first level inline, where every hit is sync (the caller checks) and
+        every child warm: each child's segment from ``local`` priced in the walk's order, and
+        its extensions skipped by the walk's bound (``_Walk._bound``), every price as the walk
+        computes it. ``recompute_s`` is ``(num_tokens - local) / prefill``, ``longest`` where
+        the longest hit ends. Returns the cheapest plan as ``(child, end, predicted_s,
+        load_s)``, its one segment ``child``'s ``[local, end)`` loading in ``load_s``
+        (``LoadCost.predict``'s number), or ``(-1, local, recompute_s, 0.0)``: recompute
+        (plain numbers: the lookup's fast path makes no plan object). None (the walk decides)
+        as soon as an extension cannot be skipped, or a segment could be cut for another
+        child. Where children hold prefixes of one another at similar prices, the longest
+        hit's segment reaches the bound and no stitch need be looked at.
+
+        The bound's rate is the fastest child's (``Costs.fastest_rate``, kept as the lines
+        change), not the fastest hit's as in the walk: no lower, so the bound is no higher
+        than the walk's, still below every plan it skips, and no loop over the hits comes
+        before the first segment is priced."""
         prefill = costs.prefill_tokens_per_s
-        if prefill <= 0:
+        if prefill <= 0 or not costs.lines_bounded:
             return None
-        longest = 0
-        fastest_rate = 0.0
-        for child, end, is_async in hits:
-            load = loads[child]
-            rate = load.tokens_per_s
-            if is_async or load.latency_s < 0 or rate <= 0:
-                return None
-            if end > longest:
-                longest = end
-            if rate > fastest_rate:
-                fastest_rate = rate
-        keep_share = _KEEP
         floor_s = (num_tokens - longest) / prefill
-        bound = min((num_tokens - local) / prefill, (longest - local) / fastest_rate + floor_s)
+        bound = (longest - local) / costs.fastest_rate + floor_s
+        if bound > recompute_s:
+            bound = recompute_s
         bound *= _SAFE
+        keep = recompute_s * _KEEP  # a plan replaces the best only below this
+        best = -1
+        best_end = local
         best_s = recompute_s
-        keep = best_s * keep_share  # a plan replaces the best only below this
-        best: tuple[Part, ...] = ()
+        best_load = 0.0
         static = self.static
+        loads = costs.loads
         for child, end, _ in hits:
             if bound >= keep:
                 break  # no plan left can replace the best so far
@@ -205,18 +212,20 @@ class Planner:
             if can_cut and end < longest and any(end % u for u in self.units):
                 return None  # it may be cut for another child: the walk weighs those ends
             load = loads[child]
-            sync = 0.0 + (load.latency_s + (end - local) / load.tokens_per_s)
-            total = sync + 0.0 + (num_tokens - end) / prefill
+            # the walk's sums to the bit: it adds this load to 0.0 and the (0.0) waits, which
+            # leaves a number >= 0 unchanged
+            sync = load.latency_s + (end - local) / load.tokens_per_s
+            total = sync + (num_tokens - end) / prefill
             if total < keep:
-                # the named tuples made without their Python-level ``__new__``
-                best = (_new(Part, (child, local, end, False)),)
-                best_s, keep = total, total * keep_share
+                best, best_end, best_s, best_load = child, end, total, sync
+                keep = total * _KEEP
             if last or end >= longest:
                 continue
-            rest = min((num_tokens - end) / prefill, (longest - end) / fastest_rate + floor_s)
-            if (sync + rest) * _SAFE < keep:
+            rest = (longest - end) / costs.fastest_rate + floor_s
+            computed = (num_tokens - end) / prefill
+            if (sync + (computed if computed < rest else rest)) * _SAFE < keep:
                 return None  # its extensions might replace the best: the walk looks
-        return _new(Choice, (best, best_s))
+        return best, best_end, best_s, best_load
 
     def _one(
         self, hit: Hit, local: int, num_tokens: int, costs: Costs, recompute_s: float

@@ -53,6 +53,8 @@ logger = logging.getLogger("kvcompose")
 
 #: A miss, as vLLM's contract spells it.
 MISS = (0, False)
+#: ``fastest``'s plan counters of a recompute and of one child's load
+_PLAN_RECOMPUTE, _PLAN_LOAD = fastest.PLAN_COUNTERS[:2]
 
 Answer = tuple[int | None, bool]
 Plan = tuple[Segment, ...]
@@ -143,6 +145,10 @@ class Lookup:
         self._fast_asks: tuple[tuple[int, Callable[[Request, int], Any]], ...] | None = None
         self._checked_misses: list[object] = []
         self.guard.on_disable.append(self._choose_path)
+        if costs is not None:
+            # ``fastest`` answers by its own path from the first call (one call level less on
+            # every lookup than going through ``answer``'s test of the policy)
+            self.answer = self._answer_fastest  # type: ignore[method-assign]
 
     def refresh(self, lookups: Sequence[Callable[[Request, int], Any]]) -> None:
         """Take the children's (re-)cached ``get_num_new_matched_tokens`` methods."""
@@ -412,8 +418,6 @@ class Lookup:
         asks = self._fast_asks
         if asks is None or request.request_id in self._ledger_ids:
             return self.decide(request, num_computed_tokens, self.ledger.get(request.request_id))
-        if self.costs is not None:
-            return self._answer_fastest(request, num_computed_tokens, asks)
         owner = -1
         tokens = 0
         is_async = False
@@ -467,19 +471,20 @@ class Lookup:
         self.counters.hit(owner, tokens)
         return tokens, is_async
 
-    def _answer_fastest(
-        self,
-        request: Request,
-        local: int,
-        asks: tuple[tuple[int, Callable[[Request, int], Any]], ...],
-    ) -> Answer:
-        """``fastest``'s common case (as ``answer``'s: no record, no debug trace, no child
-        out of lookups): every child asked at ``local`` with ``answer``'s checks, the hits
-        kept as ``plan`` keeps them, the cheapest plan (without the list of every plan
-        weighed, which only the debug trace shows) realised and recorded as ``decide``
-        does. ``tests/composite/test_hot_paths.py`` checks it against ``decide``."""
+    def _answer_fastest(self, request: Request, local: int) -> Answer:
+        """``answer`` for ``fastest`` (it replaces ``answer`` on the instance). Its common
+        case (as ``answer``'s: no record, no debug trace, no child out of lookups): every
+        child asked at ``local`` with ``answer``'s checks, the hits kept as ``plan`` keeps
+        them, the cheapest plan (without the list of every plan weighed, which only the debug
+        trace shows) realised and recorded as ``decide`` does.
+        ``tests/composite/test_hot_paths.py`` checks it against ``decide``."""
+        asks = self._fast_asks
+        if asks is None or request.request_id in self._ledger_ids:
+            return self.decide(request, local, self.ledger.get(request.request_id))
         num_tokens = request.num_tokens
         hits: list[tuple[int, int, bool]] = []
+        longest = 0  # where the longest hit ends, and whether any is async (``Planner.scan``)
+        any_async = False
         pending = False
         checked_misses = self._checked_misses
         for child, ask in asks:
@@ -508,7 +513,12 @@ class Lookup:
                 n = self._leave_one(child, request, local, n)
                 if n <= 0:
                     continue
-            hits.append((child, local + n, a))  # a ``fastest.Hit``'s fields, made faster
+            end = local + n
+            hits.append((child, end, a))  # a ``fastest.Hit``'s fields, made faster
+            if end > longest:
+                longest = end
+            if a:
+                any_async = True
         req_id = request.request_id
         if pending:
             self.ledger.mark_pending(req_id, time.monotonic())
@@ -523,22 +533,32 @@ class Lookup:
             return MISS
         planner = self.planner
         assert planner is not None
-        choice = None
-        if costs.warm_for_good and len(hits) > 1:  # what ``choose`` would do, without its checks
-            recompute_s = (num_tokens - local) / costs.prefill_tokens_per_s
-            choice = planner.scan(hits, local, num_tokens, costs, recompute_s)  # type: ignore[arg-type]
-        if choice is None:
-            choice = planner.choose(req_id, hits, local, num_tokens, costs)  # type: ignore[arg-type]
         reason = self.fixed_candidates.reason  # type: ignore[union-attr]
-        if len(choice.parts) != 1:
-            plan = self._realise(request, local, choice)
-            return self._record(req_id, plan, reason, local, None)
+        found = None
+        if costs.warm_for_good and not any_async:
+            # what ``choose`` would do, without its checks, its objects and ``_realise``: a
+            # first-level plan starts at ``local``, so none of its children is asked again
+            # (one warm sync hit too: the scan prices it as ``choose``'s ``_one`` does)
+            recompute_s = (num_tokens - local) / costs.prefill_tokens_per_s
+            found = planner.scan(hits, local, num_tokens, costs, recompute_s, longest)  # type: ignore[arg-type]
+        if found is not None:
+            child, end, _, load_s = found
+            if child < 0:
+                self.counters.inc(_PLAN_RECOMPUTE)
+                return MISS
+            is_async = False
+        else:
+            choice = planner.choose(req_id, hits, local, num_tokens, costs)  # type: ignore[arg-type]
+            if len(choice.parts) != 1:
+                plan = self._realise(request, local, choice)
+                return self._record(req_id, plan, reason, local, None)
+            child, _, end, is_async = choice.parts[0]
+            load_s = costs.loads[child].predict(end - local)
         # one child loads from ``local``: what ``_realise`` and ``_record`` do, without a
         # segment object (the ledger keeps only its owner)
-        child, _, end, is_async = choice.parts[0]
         tokens = end - local
-        self.counters.inc(fastest.PLAN_COUNTERS[1])
+        self.counters.inc(_PLAN_LOAD)
         self.counters.hit(child, tokens)
-        costs.expect(req_id, child, tokens, costs.loads[child].predict(tokens), is_async)
+        costs.expect(req_id, child, tokens, load_s, is_async)
         self.ledger.decide(req_id, child, tokens, is_async, reason, local)
         return tokens, is_async

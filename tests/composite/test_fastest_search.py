@@ -259,3 +259,20 @@ def test_nested_prefixes_at_equal_priors_need_no_walk(monkeypatch):
     got = choose("r", hits, 0, 96, supports, BLOCK, costs)
     assert got.parts == (Part(0, 0, 80, False),)
     assert got == reference("r", hits, 0, 96, supports, costs)[0]
+
+
+def test_the_scan_bound_follows_every_change_of_a_line():
+    """``Planner.scan`` bounds a plan by ``Costs.fastest_rate`` and trusts
+    ``Costs.lines_bounded``, kept as the lines change, not per lookup: a line set by
+    ``observe`` or directly (as tests do) refreshes both."""
+    costs = Costs([LoadCost(0.0, 1000.0, prior_given=True) for _ in range(2)], 2000.0)
+    assert costs.fastest_rate == 1000.0 and costs.lines_bounded
+    costs.loads[1].tokens_per_s = 4000.0
+    assert costs.fastest_rate == 4000.0
+    costs.loads[1].observe(400, 0.001)  # 400,000 tokens/s, read as all rate
+    assert costs.fastest_rate == costs.loads[1].tokens_per_s > 4000.0
+    costs.loads[0].latency_s = -0.001
+    assert not costs.lines_bounded
+    supports = [RangeSupport("native", None, True, "test")] * 2
+    hits = [Hit(0, 64, False), Hit(1, 32, False)]
+    assert Planner(supports, BLOCK).scan(hits, 0, 96, costs, 96 / 2000.0, 64) is None
