@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvcompose.engine import probe
+from kvcompose.engine import nixl_poll, probe
 from kvcompose.engine import process as engine_process
 from kvcompose.engine.probe import walk_connectors
 from kvcompose.engine.process import EngineError as EngineError
@@ -38,6 +38,13 @@ NIXL_CPU_CONFIG: dict[str, Any] = {
 
 #: Keep the pair small: each engine holds its KV cache in host memory.
 PD_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    """A P/D engine's environment: ``PD_ENGINE_ENV``, NIXL's progress thread pausing between
+    polls (:mod:`kvcompose.engine.nixl_poll`; its spinning took the cores from the engines),
+    and ``extra``."""
+    return {**PD_ENGINE_ENV, **nixl_poll.environment(), **extra}
 
 
 class EngineProcess(engine_process.EngineProcess):
@@ -91,7 +98,7 @@ class PDPair:
         p_cfg = prefill_config if prefill_config is not None else base
         d_cfg = decode_config if decode_config is not None else base
         p_port, d_port = free_port(), free_port()
-        common = {**PD_ENGINE_ENV, **(env or {})}
+        common = engine_env(**(env or {}))
         self.prefill: EngineProcess | None = None
         self.decode: EngineProcess | None = None
         try:

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from kvcompose.engine import nixl_poll
 from kvcompose.testing.ports import free_port
 
 #: Engine settings for the tiny model on a few CPU cores.
@@ -80,6 +81,7 @@ class VLLMServer:
         full_env = {
             **os.environ,
             **SERVER_ENV,
+            **nixl_poll.environment(),
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
             **(env or {}),
         }
@@ -87,27 +89,17 @@ class VLLMServer:
         self.proc = subprocess.Popen(args, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
 
-    def wait_ready(self, timeout: float = 400.0, *, calm_nixl: bool = False) -> None:
+    def wait_ready(self, timeout: float = 400.0) -> None:
         """Wait until the server answers ``/health``. A server whose listener could not bind
         (vLLM's ``_nixl_handshake_listener`` dies in its thread, and the server then never
-        reports healthy) fails at once rather than after ``timeout``. With ``calm_nixl``,
-        NIXL's progress thread is calmed (:meth:`calm_busy_threads`) as soon as NIXL's agent
-        exists: it spins from then on, and servers starting side by side spent the rest of
-        their start beside one spinning thread each (measured: the agents of four servers
-        on two cores came up 20-30 s before the servers were ready)."""
+        reports healthy) fails at once rather than after ``timeout``."""
         deadline = time.monotonic() + timeout
-        calmed = not calm_nixl
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n"
                                    f"{self.log_tail()}")  # fmt: skip
-            log = self.log_tail(lines=400)
-            if "Address already in use" in log:
+            if "Address already in use" in self.log_tail(lines=400):
                 raise RuntimeError(f"{self.name} could not bind a port:\n{self.log_tail()}")
-            if not calmed and "Initialized NIXL agent" in log:
-                # the busiest thread only: NIXL's agent has one progress thread, and other
-                # threads busy during the start (UCX's, vLLM's) must keep their priority
-                calmed = bool(self.calm_busy_threads(seconds=1.0, most=1))
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
@@ -132,45 +124,6 @@ class VLLMServer:
                 out[sample.name] = out.get(sample.name, 0.0) + sample.value
         return out
 
-    def thread_ticks(self) -> dict[int, int]:
-        """CPU time (clock ticks) used so far by every thread of the server's processes."""
-        out: dict[int, int] = {}
-        for task in _session_tasks(self.proc.pid):
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                out[int(task.name)] = int(fields[11]) + int(fields[12])  # utime + stime
-        return out
-
-    def calm_busy_threads(
-        self, seconds: float = 2.0, share: float = 0.25, most: int | None = None
-    ) -> list[int]:
-        """Move the threads that keep a core busy while the server is idle to SCHED_IDLE.
-
-        NIXL's agent runs a UCX progress thread with no delay between polls (``nixl``'s
-        ``_api.py`` sets ``pthrDelay = 0``; vLLM's ``nixl/base_worker.py`` does not expose
-        it), which keeps ~70 % of a core busy per idle engine on this CPU-only machine
-        (measured: ``nixlUcxSharedThread::run`` -> ``ucp_worker_arm`` in a loop). Three
-        engines on two cores then starve the engines' own compute, the proxy and the
-        clients (health checks and reads time out). Under SCHED_IDLE the thread still
-        polls whenever a core has nothing else to run, so transfers keep working. Call
-        while the server is idle, or with ``most`` (the busiest ``most`` threads only);
-        returns the thread ids moved."""
-        before = self.thread_ticks()
-        time.sleep(seconds)
-        after = self.thread_ticks()
-        hz = os.sysconf("SC_CLK_TCK")
-        busy = [t for t, n in after.items() if (n - before.get(t, n)) / hz > share * seconds]
-        busy = [t for t in busy if _policy(t) != os.SCHED_IDLE]  # not those moved already
-        # never a process's main thread: the worker's computes, and it busy-polls its
-        # message queue for a second after each step (vLLM's shm_broadcast SpinCondition)
-        mains = {int(task.parent.parent.name) for task in _session_tasks(self.proc.pid)}
-        busy = [t for t in busy if t not in mains]
-        busy = sorted(busy, key=lambda t: before.get(t, 0) - after[t])[:most]
-        for tid in busy:
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        return busy
-
     def kill(self) -> None:
         """SIGKILL the server and its engine core: what a crashed machine looks like."""
         with contextlib.suppress(ProcessLookupError):
@@ -186,22 +139,3 @@ class VLLMServer:
             except subprocess.TimeoutExpired:
                 self.kill()
         self._log.close()
-
-
-def _policy(tid: int) -> int | None:
-    try:
-        return os.sched_getscheduler(tid)
-    except OSError:
-        return None
-
-
-def _session_tasks(pid: int) -> list[Path]:
-    """/proc/<pid>/task/<tid> of every process in the session led by ``pid``."""
-    tasks: list[Path] = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError):
-            if os.getsid(int(proc.name)) == pid:
-                tasks.extend((proc / "task").iterdir())
-    return tasks

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvcompose.engine import nixl_poll
 from kvcompose.engine.process import EngineProcess
 from kvcompose.testing.mooncake import MooncakeCluster, node_counters
 from kvcompose.testing.ports import free_port
@@ -69,7 +70,7 @@ def fleet(cluster: MooncakeCluster, model: Path, tmp_path_factory) -> dict[str, 
             model,
             cfg,
             llm_kwargs=LLM_KWARGS,
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            env={**nixl_poll.environment(), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
         )
         for name, cfg in configs.items()
     }

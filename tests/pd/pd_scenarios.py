@@ -112,7 +112,7 @@ def start_engine(
         config,
         name=name,
         llm_kwargs={**LLM_KWARGS, **llm_kwargs},
-        env={**pd.PD_ENGINE_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        env=pd.engine_env(VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port())),
         preloaded=True,
     )
     try:

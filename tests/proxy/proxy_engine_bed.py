@@ -52,8 +52,8 @@ def start(
     decode: Iterable[str],
     fail_load_request_ids: list[str],
 ) -> dict[str, VLLMServer]:
-    """Start the servers named (P ones with prefill.yaml, D ones with decode.yaml), wait until
-    they answer and calm the NIXL progress threads (``VLLMServer.calm_busy_threads``)."""
+    """Start the servers named (P ones with prefill.yaml, D ones with decode.yaml) and wait
+    until they answer."""
     p_cfg = rendered_config(EXAMPLE / "prefill.yaml")
     d_cfg = rendered_config(EXAMPLE / "decode.yaml")
     p_leaf = p_cfg["kv_connector_extra_config"]["tree"]["chain"]["children"][1]["leaf"]
@@ -71,32 +71,11 @@ def start(
         for name in decode:
             servers[name] = VLLMServer(name, tiny_model, d_cfg, tmp, extra_args=chat, env=DEV_MODE)
         with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(lambda s: s.wait_ready(calm_nixl=True), servers.values()))
-        calm(servers.values())
+            list(pool.map(lambda s: s.wait_ready(), servers.values()))
     except BaseException:
         stop(servers)
         raise
     return servers
-
-
-def calm(servers: Iterable[VLLMServer], passes: int = 3) -> None:
-    """``calm_busy_threads`` on every live server at once (each samples its own threads over
-    the same two seconds), pass after pass until one moves nothing: a thread counts as busy
-    by its share of a core, and while one spinning thread hogs a core the others it starves
-    do not show as busy yet."""
-    servers = list(servers)
-
-    def one(s: VLLMServer) -> list[int]:
-        if s.proc.poll() is not None:
-            return []
-        moved = s.calm_busy_threads()
-        log.warning("%s: %d busy thread(s) moved to SCHED_IDLE: %s", s.name, len(moved), moved)
-        return moved
-
-    for _ in range(passes):
-        with ThreadPoolExecutor(max(1, len(servers))) as pool:
-            if not any(pool.map(one, servers)):
-                return
 
 
 def stop(servers: dict[str, VLLMServer]) -> None:
