@@ -175,6 +175,10 @@ class Costs:
     _sync: list[dict[str, _Waiting]] = field(default_factory=list)
     _sync_before: list[dict[str, _Waiting]] = field(default_factory=list)
     _async: list[dict[str, _Waiting]] = field(default_factory=list)
+    # whether ``_sync`` / ``_sync_before`` may hold a load (False: empty), so that a step
+    # without new loads touches neither table
+    _sync_given: bool = False
+    _sync_held_before: bool = False
     _last_step: tuple[float, int] | None = None
     _sync_load_s: float = 0.0  # the sync loads timed since the last step was scheduled
     #: every child has a prior or ``PROBES`` timed loads (set by ``any_cold``; never unset)
@@ -290,6 +294,7 @@ class Costs:
             self._async[child][req_id] = (tokens, predicted_s, self.clock())
         else:  # its time comes with its step's output: nothing waits on it, no clock read
             self._sync[child][req_id] = (tokens, predicted_s, None)
+            self._sync_given = True
 
     def forget(self, req_id: str, *, in_flight_only: bool = False) -> None:
         """The request's loads will not be timed (a 0 grant; a finish before an async load's
@@ -346,7 +351,8 @@ class Costs:
         self._sync_load_s = 0.0
         # a sync load's time came with its step's output, or never will (its child raised):
         # those given out before the previous step are dropped, a table at a time (nothing to
-        # move in a step without new requests: this runs every step, with cold caches)
-        if any(self._sync) or any(self._sync_before):
+        # move in a step without new loads: this runs every step, with cold caches)
+        if self._sync_given or self._sync_held_before:
             self._sync_before = self._sync
             self._sync = [{} for _ in self.loads]
+            self._sync_held_before, self._sync_given = self._sync_given, False

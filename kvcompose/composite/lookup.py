@@ -25,6 +25,8 @@ after the receive, ``Scheduler._update_waiting_for_remote_kv``).
 fixed candidates, ``first`` or ``longest``, no child out of lookups, no debug trace) is the
 same rule unrolled for speed: it uses ``takes`` and ``leave_one_token`` too, and
 ``tests/composite/test_hot_paths.py`` checks it against ``plan`` on random answers.
+``fastest``'s node answers by ``_answer_fastest`` instead (bound as ``answer`` on the
+instance), its own common case checked the same way.
 """
 
 from __future__ import annotations
