@@ -43,7 +43,10 @@ ON_REQUEST = pytest.mark.skipif(
 
 N = 16  # tokens decoded per request
 FAULT = "pdfault"  # attempt 1 of this client id fails its load on D
-LONG = 160  # tokens of the stream a killed decode server leaves unfinished
+#: tokens of the stream a killed decode server leaves unfinished: D must still be generating
+#: when it is killed (at 160, a D no longer slowed by NIXL's spinning thread once sent its
+#: whole stream to the proxy before the test, reading its third token, killed it: no retry)
+LONG = 400
 CLIENTS = 64  # concurrent clients (on request) ...
 FAULT_EVERY = 4  # ... of which every fourth has its first attempt's load fail on D
 #: the concurrent clients' prompts, one each (distinct from the first token on, so no D's
@@ -368,7 +371,7 @@ def test_decode_killed_mid_stream_continues_on_the_other(servers):
                 if line.startswith("data: {"):
                     for ch in json.loads(line[6:]).get("choices", ()):
                         got.extend(ch.get("token_ids") or ())
-                    if len(got) >= 3 and servers["d1"].proc.poll() is None:
+                    if got and servers["d1"].proc.poll() is None:
                         servers["d1"].kill()
                         at = len(got)
     finally:
@@ -376,5 +379,5 @@ def test_decode_killed_mid_stream_continues_on_the_other(servers):
     assert servers["d1"].proc.poll() is not None
     assert at < LONG  # d1 was killed with the stream unfinished
     assert got == want
-    assert bed.retries(app, "stream_dropped") == 1
+    assert bed.retries(app, "stream_dropped") == 1, f"d1 killed after {at} tokens"
     bed.idle(servers)
