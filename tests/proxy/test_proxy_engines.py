@@ -43,9 +43,8 @@ ON_REQUEST = pytest.mark.skipif(
 
 N = 16  # tokens decoded per request
 FAULT = "pdfault"  # attempt 1 of this client id fails its load on D
-#: tokens of the stream a killed decode server leaves unfinished: D must still be generating
-#: when it is killed (at 160, a D no longer slowed by NIXL's spinning thread once sent its
-#: whole stream to the proxy before the test, reading its third token, killed it: no retry)
+#: tokens of the stream a killed decode server leaves unfinished (D runs on after the proxy
+#: reads its first chunk; what D sent before it died is still read, so D must not be done)
 LONG = 400
 CLIENTS = 64  # concurrent clients (on request) ...
 FAULT_EVERY = 4  # ... of which every fourth has its first attempt's load fail on D
@@ -352,32 +351,77 @@ def test_prefill_killed_before_the_decode_is_retried_on_the_other(servers):
     bed.idle(servers)
 
 
+class _Chunks(httpx.AsyncByteStream):
+    """A response body that calls ``after`` with each chunk once it was handed on."""
+
+    def __init__(self, inner: Any, after: Any) -> None:
+        self.inner, self.after = inner, after
+
+    async def __aiter__(self) -> Any:
+        async for chunk in self.inner:
+            yield chunk
+            self.after(chunk)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _KillAfterFirstChunk(httpx.AsyncBaseTransport):
+    """The proxy's transport, which SIGKILLs ``server`` once the proxy has read the first
+    chunk of that server's decode stream: D dies mid-stream whatever the test's client, on
+    a loaded machine, has read by then (killed from the client instead, D once sent all it
+    had to the proxy before the client saw its first token, so no retry was needed)."""
+
+    def __init__(self, server: VLLMServer) -> None:
+        self.server = server
+        self.inner = httpx.AsyncHTTPTransport()
+        self.killed = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        decode = request.url.port == self.server.port and request.url.path.endswith("/completions")
+        if not decode or self.killed:
+            return response
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=_Chunks(response.stream, self._after_chunk),
+            extensions=response.extensions,
+        )
+
+    def _after_chunk(self, chunk: bytes) -> None:
+        if not self.killed and b"token_ids" in chunk:
+            self.killed = True
+            self.server.kill()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 def test_decode_killed_mid_stream_continues_on_the_other(servers):
     want = bed.greedy(servers["p2"], [11], LONG, ignore_eos=True)[11]
     alive_prefill = [p for p in ("p1", "p2") if servers[p].proc.poll() is None]
-    thread, app = bed.proxy(servers, alive_prefill, ["d1", "d2"])  # fresh: d1 first
-    got: list[int] = []
-    at = LONG
+    transport = _KillAfterFirstChunk(servers["d1"])
+    client = httpx.AsyncClient(transport=transport)
+    app = create_app(
+        ProxyConfig(
+            prefill=[servers[p].url for p in alive_prefill],
+            decode=[servers["d1"].url, servers["d2"].url],
+            backoff_s=0.05,
+            health_interval_s=0.5,
+            timeouts=bed.TIMEOUTS,
+        ),
+        http_client=client,
+    )
+    thread = ServerThread(app).start(timeout=bed.START_S)  # fresh: d1 first
     try:
-        with (
-            httpx.Client(base_url=thread.url, timeout=300) as c,
-            c.stream(
-                "POST",
-                "/v1/completions",
-                json={**bed.body(11, LONG), "stream": True, "ignore_eos": True},
-            ) as resp,
-        ):
-            for line in resp.iter_lines():
-                if line.startswith("data: {"):
-                    for ch in json.loads(line[6:]).get("choices", ()):
-                        got.extend(ch.get("token_ids") or ())
-                    if got and servers["d1"].proc.poll() is None:
-                        servers["d1"].kill()
-                        at = len(got)
+        with httpx.Client(base_url=thread.url, timeout=300) as c:
+            out = stream(c, "/v1/completions", {**bed.body(11, LONG), "ignore_eos": True})
     finally:
         thread.stop()
-    assert servers["d1"].proc.poll() is not None
-    assert at < LONG  # d1 was killed with the stream unfinished
-    assert got == want
-    assert bed.retries(app, "stream_dropped") == 1, f"d1 killed after {at} tokens"
+        asyncio.run(client.aclose())
+    assert transport.killed and servers["d1"].proc.poll() is not None
+    assert out.done and not out.errors, out.events[-3:]
+    assert out.token_ids == want
+    assert bed.retries(app, "stream_dropped") == 1
     bed.idle(servers)
