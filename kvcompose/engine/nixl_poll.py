@@ -13,7 +13,8 @@ agents in 1-5 ms, as without the pause).
 The setting is a test bed's, never a default: it changes a NIXL internal that vLLM does not
 expose. :func:`environment` gives what a child process needs: vLLM spawns its workers on
 CPU (``CpuPlatform.check_and_update_config``), so the hook reaches them through a
-``sitecustomize`` module on ``PYTHONPATH``, and the processes they start inherit both.
+``sitecustomize`` module on ``PYTHONPATH``, and the processes they start inherit both. It
+hides any other ``sitecustomize`` from those processes (the project's environments have none).
 """
 
 from __future__ import annotations
