@@ -6,7 +6,8 @@
 #            first what starts no engine, on two pytest-xdist workers (it is pure CPU, one
 #            core each), then the engine and P/D tests one at a time (they use both cores)
 #   phase 2: .venv-vllm033  (official vllm 0.33.0)     the scheduler-level tests only: what is
-#            not marked engine/pd/slow (the 0.33 wheel cannot run an engine on CPU), on two
+#            not marked engine/pd/slow (the 0.33 wheel cannot run an engine on CPU) nor
+#            version_neutral (kvcompose's own limits, ~45 s: phase 1 runs them), on two
 #            pytest-xdist workers
 #   KVCOMPOSE_TEST_WORKERS=N sets the worker count (default 2; 0 runs in this process)
 #   KVCOMPOSE_ENGINE_WORKERS=N runs the engine and P/D tests on N workers too, a module per
@@ -113,7 +114,7 @@ run_phase "phase 1b" .venv/bin/python "$P1B_EXPR" --durations=15 "${ENGINE_XDIST
 RC1=$((RC1A > RC ? RC1A : RC))
 D1=$((SECONDS - T1))
 
-P2_EXPR=$(with_mark "not engine and not pd and not slow")
+P2_EXPR=$(with_mark "not engine and not pd and not slow and not version_neutral")
 header "phase 2/2: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
   "scheduler level: -m \"$P2_EXPR\"${XDIST:+, $WORKERS workers}"
 T2=$SECONDS
