@@ -50,7 +50,10 @@ class EngineProcess:
     logging is on unless they say otherwise, so that ``stats`` has numbers). ``log_file``: the
     child's stdout and stderr go there instead of the parent's. ``on_progress`` receives what
     functions run by ``call`` report. ``preloaded``: fork from the server that has vLLM
-    imported (see the module's docstring) instead of spawning.
+    imported (see the module's docstring) instead of spawning. ``wait=False`` returns as soon
+    as the child is started; ``wait_started`` (or the first call) then waits for its engine,
+    so that several engines start side by side (a spawned one spends most of its start
+    importing vLLM on one core).
     """
 
     def __init__(
@@ -66,8 +69,10 @@ class EngineProcess:
         start_timeout: float = 300.0,
         call_timeout: float = 300.0,
         preloaded: bool = False,
+        wait: bool = True,
     ) -> None:
         self.name = name
+        self.start_timeout = start_timeout
         self.call_timeout = call_timeout
         self.on_progress = on_progress
         ctx = _preloaded_context() if preloaded else mp.get_context("spawn")
@@ -88,11 +93,21 @@ class EngineProcess:
         self._proc.start()
         child_conn.close()
         self._closed = False
-        try:
-            self.info: dict[str, Any] = self._receive(start_timeout, what="start-up")
-        except BaseException:
-            self._kill()
-            raise
+        #: what the child reported once its engine was built (pid, environment)
+        self.info: dict[str, Any] | None = None
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> dict[str, Any]:
+        """Wait until the child's engine is built (``start_timeout``); the child is killed if
+        it fails or does not report in time."""
+        if self.info is None:
+            try:
+                self.info = self._receive(self.start_timeout, what="start-up")
+            except BaseException:
+                self._kill()
+                raise
+        return self.info
 
     # ------------------------------------------------------------------ calls
 
@@ -165,6 +180,7 @@ class EngineProcess:
     def _call(self, *msg: Any) -> Any:
         if self._closed:
             raise EngineError(f"{self.name}: closed")
+        self.wait_started()
         self._conn.send(msg)
         return self._receive(self.call_timeout, what=str(msg[0]))
 

@@ -105,13 +105,15 @@ class PDPair:
             self.prefill = EngineProcess(
                 model_dir, p_cfg, name="prefill", llm_kwargs=llm_kwargs,
                 env={**common, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port)},
-                start_timeout=start_timeout, preloaded=preloaded,
+                start_timeout=start_timeout, preloaded=preloaded, wait=False,
             )  # fmt: skip
             self.decode = EngineProcess(
                 model_dir, d_cfg, name="decode", llm_kwargs=llm_kwargs,
                 env={**common, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port)},
-                start_timeout=start_timeout, preloaded=preloaded,
+                start_timeout=start_timeout, preloaded=preloaded, wait=False,
             )  # fmt: skip
+            self.prefill.wait_started()  # the two start side by side
+            self.decode.wait_started()
         except BaseException:
             self.close()
             raise

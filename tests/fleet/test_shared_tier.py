@@ -89,7 +89,9 @@ def engines(cluster: MooncakeCluster, model: Path, tmp_path_factory) -> dict[str
             policy=policy,
         )
         cfg = kvcompose_config(tree, kv_load_failure_policy="recompute")
-        out[name] = cluster.engine(name, model, cfg, llm_kwargs=LLM_KWARGS)
+        out[name] = cluster.engine(name, model, cfg, llm_kwargs=LLM_KWARGS, wait=False)
+    for engine in out.values():  # started side by side; the cluster stops them all
+        engine.wait_started()
     return out
 
 

@@ -64,16 +64,20 @@ def fleet(cluster: MooncakeCluster, model: Path, tmp_path_factory) -> dict[str, 
             kv_load_failure_policy="recompute",
         ),
     }
-    return {
+    engines = {
         name: cluster.engine(
             name,
             model,
             cfg,
             llm_kwargs=LLM_KWARGS,
             env={**nixl_poll.environment(), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            wait=False,
         )
         for name, cfg in configs.items()
     }
+    for engine in engines.values():  # started side by side; the cluster stops them all
+        engine.wait_started()
+    return engines
 
 
 def handoff(p: EngineProcess, d: EngineProcess, tokens: list[int]) -> list[int]:
