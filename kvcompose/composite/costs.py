@@ -170,14 +170,16 @@ class Costs:
     prefill_tokens_per_s: float
     clock: Callable[[], float] = time.monotonic
     prefill_measured: int = 0
-    # sync loads by the step they were given out in: since the last ``step`` (``_sync``) and
-    # in the step before (``_sync_before``); a step drops the older table whole
-    _sync: list[dict[str, _Waiting]] = field(default_factory=list)
+    #: sync loads given out since the last ``step``, by child and request (``expect``'s table;
+    #: the lookup's fast path stores its one sync load here itself, without the call)
+    sync_given: list[dict[str, _Waiting]] = field(default_factory=list)
+    # sync loads given out in the step before; a step drops this table whole
     _sync_before: list[dict[str, _Waiting]] = field(default_factory=list)
-    _async: list[dict[str, _Waiting]] = field(default_factory=list)
-    # whether ``_sync`` / ``_sync_before`` may hold a load (False: empty), so that a step
-    # without new loads touches neither table
-    _sync_given: bool = False
+    #: async loads awaiting their time, by child and request (a finish skips ``forget`` while
+    #: every table is empty)
+    async_given: list[dict[str, _Waiting]] = field(default_factory=list)
+    # whether ``_sync_before`` may hold a load (False: empty), so that a step without new
+    # loads touches neither table
     _sync_held_before: bool = False
     _last_step: tuple[float, int] | None = None
     _sync_load_s: float = 0.0  # the sync loads timed since the last step was scheduled
@@ -191,9 +193,9 @@ class Costs:
     lines_bounded: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        self._sync = [{} for _ in self.loads]
+        self.sync_given = [{} for _ in self.loads]
         self._sync_before = [{} for _ in self.loads]
-        self._async = [{} for _ in self.loads]
+        self.async_given = [{} for _ in self.loads]
         for load in self.loads:
             load.watch(self._lines_changed)
         self._lines_changed()
@@ -223,8 +225,8 @@ class Costs:
         out = {}
         for tables, is_async in (
             (self._sync_before, False),
-            (self._sync, False),
-            (self._async, True),
+            (self.sync_given, False),
+            (self.async_given, True),
         ):
             for child, waiting in enumerate(tables):
                 for req_id, (tokens, predicted_s, since) in waiting.items():
@@ -237,7 +239,7 @@ class Costs:
     def queue_s(self, child: int) -> float:
         """The predicted time left of ``child``'s async loads in flight."""
         now = self.clock()
-        waiting = self._async[child].values()  # an async load's ``since`` is always set
+        waiting = self.async_given[child].values()  # an async load's ``since`` is always set
         return sum(max(0.0, p - (now - since)) for _, p, since in waiting)  # type: ignore[operator]
 
     def any_cold(self) -> bool:
@@ -278,7 +280,8 @@ class Costs:
         cold one only while no other request's load on it awaits its time."""
         if not self.cold(child):
             return True
-        sync, before, in_flight = self._sync[child], self._sync_before[child], self._async[child]
+        sync, before = self.sync_given[child], self._sync_before[child]
+        in_flight = self.async_given[child]
         return len(sync) + len(before) + len(in_flight) == (
             (req_id in sync) + (req_id in before) + (req_id in in_flight)
         )
@@ -291,21 +294,20 @@ class Costs:
         self, req_id: str, child: int, tokens: int, predicted_s: float, is_async: bool
     ) -> None:
         if is_async:
-            self._async[child][req_id] = (tokens, predicted_s, self.clock())
+            self.async_given[child][req_id] = (tokens, predicted_s, self.clock())
         else:  # its time comes with its step's output: nothing waits on it, no clock read
-            self._sync[child][req_id] = (tokens, predicted_s, None)
-            self._sync_given = True
+            self.sync_given[child][req_id] = (tokens, predicted_s, None)
 
     def forget(self, req_id: str, *, in_flight_only: bool = False) -> None:
         """The request's loads will not be timed (a 0 grant; a finish before an async load's
         receive: a sync load's time still comes with its step's output). Only the children
         with loads awaiting their time are looked at (every lookup and finish calls this)."""
-        if any(self._async):  # (the common finish: no async load awaits a time)
-            for waiting in self._async:
+        if any(self.async_given):  # (the common finish: no async load awaits a time)
+            for waiting in self.async_given:
                 if waiting:
                     waiting.pop(req_id, None)
         if not in_flight_only:
-            for waiting in self._sync:
+            for waiting in self.sync_given:
                 if waiting:
                     waiting.pop(req_id, None)
             for waiting in self._sync_before:
@@ -319,12 +321,12 @@ class Costs:
         for (req_id, child), seconds in times.items():
             if not 0 <= child < len(self.loads):
                 continue
-            waiting = self._sync[child].pop(req_id, None)
+            waiting = self.sync_given[child].pop(req_id, None)
             if waiting is None:
                 waiting = self._sync_before[child].pop(req_id, None)
             is_async = waiting is None
             if is_async:
-                waiting = self._async[child].pop(req_id, None)
+                waiting = self.async_given[child].pop(req_id, None)
             if waiting is not None:
                 tokens, predicted_s, since = waiting
                 self.loads[child].observe(tokens, seconds)
@@ -352,7 +354,8 @@ class Costs:
         # a sync load's time came with its step's output, or never will (its child raised):
         # those given out before the previous step are dropped, a table at a time (nothing to
         # move in a step without new loads: this runs every step, with cold caches)
-        if self._sync_given or self._sync_held_before:
-            self._sync_before = self._sync
-            self._sync = [{} for _ in self.loads]
-            self._sync_held_before, self._sync_given = self._sync_given, False
+        given = any(self.sync_given)
+        if given or self._sync_held_before:
+            self._sync_before = self.sync_given
+            self.sync_given = [{} for _ in self.loads]
+            self._sync_held_before = given

@@ -548,19 +548,23 @@ class Lookup:
             if child < 0:
                 self.counters.inc(_PLAN_RECOMPUTE)
                 return MISS
-            is_async = False
-        else:
-            choice = planner.choose(req_id, hits, local, num_tokens, costs)  # type: ignore[arg-type]
-            if len(choice.parts) != 1:
-                plan = self._realise(request, local, choice)
-                return self._record(req_id, plan, reason, local, None)
-            child, _, end, is_async = choice.parts[0]
-            load_s = costs.loads[child].predict(end - local)
-        # one child loads from ``local``: what ``_realise`` and ``_record`` do, without a
-        # segment object (the ledger keeps only its owner)
+            # one child's sync load from ``local``: what ``_realise`` and ``_record`` do,
+            # without a segment object (the ledger keeps only its owner), its plan and hit
+            # counted in one call and its prediction stored as ``Costs.expect`` stores a sync
+            # load's (a call less each: this runs for every request that has hits)
+            tokens = end - local
+            self.counters.plan_hit(_PLAN_LOAD, child, tokens)
+            costs.sync_given[child][req_id] = (tokens, load_s, None)
+            self.ledger.decide(req_id, child, tokens, False, reason, local)
+            return tokens, False
+        choice = planner.choose(req_id, hits, local, num_tokens, costs)  # type: ignore[arg-type]
+        if len(choice.parts) != 1:
+            plan = self._realise(request, local, choice)
+            return self._record(req_id, plan, reason, local, None)
+        child, _, end, is_async = choice.parts[0]
+        # one child loads from ``local``, as above
         tokens = end - local
-        self.counters.inc(_PLAN_LOAD)
-        self.counters.hit(child, tokens)
-        costs.expect(req_id, child, tokens, load_s, is_async)
+        self.counters.plan_hit(_PLAN_LOAD, child, tokens)
+        costs.expect(req_id, child, tokens, costs.loads[child].predict(tokens), is_async)
         self.ledger.decide(req_id, child, tokens, is_async, reason, local)
         return tokens, is_async

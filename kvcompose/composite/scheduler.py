@@ -350,8 +350,9 @@ class CompositeScheduler(SchedulerForwarding):
         # aborted while loading: the loaders' receive still comes (one, for a stitch; a
         # stitch recovering from a failed segment gets it in its next round)
         loaders = None
-        if self.costs is not None:
-            self.costs.forget(req_id, in_flight_only=True)
+        costs = self.costs
+        if costs is not None and any(costs.async_given):  # (no call while none is in flight)
+            costs.forget(req_id, in_flight_only=True)
         if req_id in self._ledger_ids:
             record = self.ledger.finished(req_id)
             if record is not None and record.state in _IN_FLIGHT:

@@ -75,6 +75,16 @@ class NodeCounters:
         totals[hit_tokens] += tokens
         self.changed = True
 
+    def plan_hit(self, plan: str, child: int, tokens: int) -> None:
+        """``inc(plan)`` and ``hit(child, tokens)`` in one call: ``fastest``'s lookup fast
+        path counts its plan of one load so (on the scheduler's per-request path)."""
+        hits, hit_tokens = self._hit_keys[child]
+        totals = self._totals
+        totals[plan] += 1
+        totals[hits] += 1
+        totals[hit_tokens] += tokens
+        self.changed = True
+
     def lookup_timeout(self, child: int) -> None:
         self.inc(f"lookup_timeouts.{self.child_names[child]}")
 
