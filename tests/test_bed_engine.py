@@ -131,12 +131,15 @@ def test_an_engine_ended_at_once_leaves_no_named_semaphore(tiny_model):
     """The bench ends its engines with SIGTERM (``close(graceful=False)``), which skips a
     child's exit handlers. tqdm's multiprocessing lock for the weight-loading bar was such a
     named semaphore: never unlinked, one per engine, which the resource tracker reported as
-    "leaked semaphore objects" when the bench exited."""
+    "leaked semaphore objects" when the bench exited. Started with ``wait=False``, as engines
+    that start side by side are: the first call waits for the engine."""
     from kvcompose.engine.process import EngineProcess
 
-    proc = EngineProcess(tiny_model, preloaded=True, llm_kwargs={"max_model_len": 256})
+    proc = EngineProcess(tiny_model, preloaded=True, llm_kwargs={"max_model_len": 256}, wait=False)
     try:
+        assert proc.info is None
         assert proc.generate([[5, 6, 7, 8]], 2)[0][0]
+        assert proc.info is not None and proc.info["pid"] == proc.wait_started()["pid"]
         assert proc.call(_named_semaphores) == 0
     finally:
         proc.close(graceful=False)
