@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -313,17 +313,8 @@ def test_prefill_killed_before_the_decode_is_retried_on_the_other(servers):
     """P1 answers the prefill and is SIGKILLed before the proxy hands its blocks to D: D's
     NIXL read from a dead engine fails, and the next attempt runs on P2."""
     want = bed.greedy(servers["p2"], [12], N)[12]
-    killed: list[str] = []
-
-    async def kill_p1(response: httpx.Response) -> None:
-        req = response.request
-        is_p1 = req.url.port == servers["p1"].port
-        if is_p1 and not killed and b'"do_remote_decode"' in req.content:
-            await response.aread()  # P's answer arrived whole; then P dies
-            servers["p1"].kill()
-            killed.append(str(req.url))
-
-    client = httpx.AsyncClient(event_hooks={"response": [kill_p1]})
+    transport = _Kill(servers["p1"], when=_prefill, at="end")
+    client = httpx.AsyncClient(transport=transport)
     app = create_app(
         ProxyConfig(
             prefill=[servers["p1"].url, servers["p2"].url],
@@ -342,7 +333,7 @@ def test_prefill_killed_before_the_decode_is_retried_on_the_other(servers):
     finally:
         thread.stop()
         asyncio.run(client.aclose())
-    assert killed and servers["p1"].proc.poll() is not None
+    assert transport.killed and servers["p1"].proc.poll() is not None
     assert out.done and not out.errors, out.events[-3:]
     assert out.token_ids == want
     causes = {c: bed.retries(app, c) for c in ("decode_error", "decode_failed", "stream_dropped")}
@@ -352,45 +343,67 @@ def test_prefill_killed_before_the_decode_is_retried_on_the_other(servers):
 
 
 class _Chunks(httpx.AsyncByteStream):
-    """A response body that calls ``after`` with each chunk once it was handed on."""
+    """A response body that calls ``after`` with each chunk once it was handed on, and
+    ``at_end`` once the last one was."""
 
-    def __init__(self, inner: Any, after: Any) -> None:
-        self.inner, self.after = inner, after
+    def __init__(self, inner: Any, after: Any, at_end: Any) -> None:
+        self.inner, self.after, self.at_end = inner, after, at_end
 
     async def __aiter__(self) -> Any:
         async for chunk in self.inner:
             yield chunk
             self.after(chunk)
+        self.at_end()
 
     async def aclose(self) -> None:
         await self.inner.aclose()
 
 
-class _KillAfterFirstChunk(httpx.AsyncBaseTransport):
-    """The proxy's transport, which SIGKILLs ``server`` once the proxy has read the first
-    chunk of that server's decode stream: D dies mid-stream whatever the test's client, on
-    a loaded machine, has read by then (killed from the client instead, D once sent all it
-    had to the proxy before the client saw its first token, so no retry was needed)."""
+def _prefill(request: httpx.Request) -> bool:
+    return b'"do_remote_decode"' in request.content
 
-    def __init__(self, server: VLLMServer) -> None:
-        self.server = server
+
+def _completion(request: httpx.Request) -> bool:
+    return request.url.path.endswith("/completions")
+
+
+class _Kill(httpx.AsyncBaseTransport):
+    """The proxy's transport, which SIGKILLs ``server`` while the proxy reads the first of
+    that server's responses ``when`` selects: ``at="first_token"`` once the proxy has read
+    its first chunk with token ids (D dies mid-stream, whatever the test's client has read
+    by then: killed from the client instead, D once sent all it had to the proxy before the
+    client saw its first token, so no retry was needed), ``at="end"`` once the proxy has read
+    it whole (P dies between its answer and the hand-off to D)."""
+
+    def __init__(
+        self, server: VLLMServer, *, when: Callable[[httpx.Request], bool], at: str
+    ) -> None:
+        assert at in ("first_token", "end")
+        self.server, self.when, self.at = server, when, at
         self.inner = httpx.AsyncHTTPTransport()
         self.killed = False
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self.inner.handle_async_request(request)
-        decode = request.url.port == self.server.port and request.url.path.endswith("/completions")
-        if not decode or self.killed:
+        if self.killed or request.url.port != self.server.port or not self.when(request):
             return response
         return httpx.Response(
             response.status_code,
             headers=response.headers,
-            stream=_Chunks(response.stream, self._after_chunk),
+            stream=_Chunks(response.stream, self._after_chunk, self._at_end),
             extensions=response.extensions,
         )
 
     def _after_chunk(self, chunk: bytes) -> None:
-        if not self.killed and b"token_ids" in chunk:
+        if self.at == "first_token" and b"token_ids" in chunk:
+            self._kill()
+
+    def _at_end(self) -> None:
+        if self.at == "end":
+            self._kill()
+
+    def _kill(self) -> None:
+        if not self.killed:
             self.killed = True
             self.server.kill()
 
@@ -401,7 +414,7 @@ class _KillAfterFirstChunk(httpx.AsyncBaseTransport):
 def test_decode_killed_mid_stream_continues_on_the_other(servers):
     want = bed.greedy(servers["p2"], [11], LONG, ignore_eos=True)[11]
     alive_prefill = [p for p in ("p1", "p2") if servers[p].proc.poll() is None]
-    transport = _KillAfterFirstChunk(servers["d1"])
+    transport = _Kill(servers["d1"], when=_completion, at="first_token")
     client = httpx.AsyncClient(transport=transport)
     app = create_app(
         ProxyConfig(
