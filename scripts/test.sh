@@ -11,15 +11,16 @@
 #            pytest-xdist workers
 #   KVCOMPOSE_TEST_WORKERS=N sets the worker count (default 2; 0 runs in this process)
 #   KVCOMPOSE_ENGINE_WORKERS=N runs the engine and P/D tests on N workers too, a module per
-#   worker (default 0, one at a time: 871 s serial against 694 s on two workers on a fresh
-#   clone on 2 cores, 2026-12-02; kept serial in CI, where one flaky timing costs a run)
+#   worker (default 0, one at a time: 641 s serial against 530 s on two workers on a fresh
+#   clone on 2 cores, 2026-12-03, before engines started faster (462 s serial since); kept
+#   serial in CI, where one flaky timing costs a run)
 #
 # Usage: scripts/test.sh [pytest args...]
 #   scripts/test.sh                                 everything
 #   scripts/test.sh -m "not engine and not pd"      the fast subset, in both versions
 #   scripts/test.sh tests/test_bed_harness.py -x    one file
 #   KVCOMPOSE_TEST_WORKERS=0 scripts/test.sh -m "not engine and not pd"   in one process each
-# The inner loop, phase 1a alone (no engines, vLLM 0.32; 159 s on 2 cores, 2026-12-02):
+# The inner loop, phase 1a alone (no engines, vLLM 0.32; 172-190 s on 2 cores, 2026-12-03):
 #   .venv/bin/python -m pytest -m "not engine and not pd" -n 2 --dist worksteal
 # A -m expression given here is combined with each part's own ("(EXPR) and not engine ...").
 # Installs first (scripts/setup.sh --no-run) when the environments are missing or stale.
