@@ -17,16 +17,7 @@ from pydantic import ValidationError
 
 from kvcompose.config import known
 from kvcompose.config.document import document_dict
-from kvcompose.config.errors import (
-    ConfigError,
-    ErrorItem,
-    Path,
-    did_you_mean,
-    format_path,
-    located,
-    shown,
-    shown_list,
-)
+from kvcompose.config.errors import ConfigError, ErrorItem, Path, located, shown_list
 from kvcompose.config.messages import items_from_validation
 from kvcompose.tree import (
     TRANSFER_FIELDS,
@@ -38,6 +29,7 @@ from kvcompose.tree import (
     Route,
     effective_saves,
 )
+from kvcompose.tree.messages import did_you_mean, format_path, shown
 
 Translate = Callable[[Path], Path]
 

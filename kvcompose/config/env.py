@@ -29,9 +29,10 @@ import yaml
 
 from kvcompose.config import reader
 from kvcompose.config.document import node_bodies
-from kvcompose.config.errors import ConfigError, did_you_mean, shown, shown_list
+from kvcompose.config.errors import ConfigError, shown_list
 from kvcompose.config.plain import check_plain
 from kvcompose.tree import TRANSFER_FIELDS
+from kvcompose.tree.messages import did_you_mean, shown
 
 ENV_CONFIG_FILE = "KVCOMPOSE_CONFIG_FILE"
 ENV_SET = "KVCOMPOSE_SET"

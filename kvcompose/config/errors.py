@@ -7,22 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcompose.config.limits import MAX_LABEL, MAX_LISTED, MAX_MESSAGE
-from kvcompose.tree import describe
-from kvcompose.tree.messages import MAX_SHOWN, at, did_you_mean, format_path, shown
-
-__all__ = [
-    "ConfigError",
-    "ErrorItem",
-    "LineMap",
-    "Path",
-    "describe",
-    "did_you_mean",
-    "format_path",
-    "line_for",
-    "located",
-    "shown",
-    "shown_list",
-]
+from kvcompose.tree.messages import MAX_SHOWN, at, shown
 
 Path = tuple[str | int, ...]
 

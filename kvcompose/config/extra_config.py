@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcompose.config.env import ENV_CONFIG_FILE, Override, mapping_overrides
-from kvcompose.config.errors import ConfigError, Path, describe, format_path, located, shown_list
+from kvcompose.config.errors import ConfigError, Path, located, shown_list
 from kvcompose.config.include import Referrer, including
 from kvcompose.config.source import Source
-from kvcompose.tree import NODE_KINDS
+from kvcompose.tree import NODE_KINDS, describe
+from kvcompose.tree.messages import format_path
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 

@@ -18,16 +18,7 @@ from kvcompose.config.env import (
     env_overrides,
     environ,
 )
-from kvcompose.config.errors import (
-    ConfigError,
-    ErrorItem,
-    Path,
-    describe,
-    format_path,
-    line_for,
-    located,
-    shown,
-)
+from kvcompose.config.errors import ConfigError, ErrorItem, Path, line_for, located
 from kvcompose.config.extra_config import EXTRA_CONFIG, opened, split_extra
 from kvcompose.config.include import including
 from kvcompose.config.loaded import Config, identity
@@ -40,9 +31,11 @@ from kvcompose.tree import (
     TREE_KEY,
     Leaf,
     Node,
+    describe,
     parse_node,
     walk,
 )
+from kvcompose.tree.messages import format_path, shown
 
 #: Names vLLM loads the composite under.
 COMPOSITE_NAMES = ("KVCompose", "KVComposeHMA")

@@ -14,12 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvcompose.config.errors import (
-    ConfigError,
-    Path,
-    describe,
-    located,
-)
+from kvcompose.config.errors import ConfigError, Path, located
 from kvcompose.config.extra_config import EXTRA_CONFIG
 from kvcompose.config.messages import LEAF_KEYS
 from kvcompose.config.source import Source
@@ -30,6 +25,7 @@ from kvcompose.tree import (
     TRANSFER_FIELDS,
     Chain,
     Leaf,
+    describe,
 )
 from kvcompose.tree.messages import unknown
 

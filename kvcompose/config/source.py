@@ -24,9 +24,10 @@ from typing import IO, Any
 import yaml
 
 from kvcompose.config import limits, reader
-from kvcompose.config.errors import ConfigError, ErrorItem, LineMap, describe
+from kvcompose.config.errors import ConfigError, ErrorItem, LineMap
 from kvcompose.config.limits import MAX_FILE_BYTES, size_text
 from kvcompose.config.plain import check_plain
+from kvcompose.tree import describe
 
 STDIN = "<stdin>"
 

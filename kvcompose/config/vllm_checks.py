@@ -25,10 +25,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvcompose.config.deadline import UserCodeTimeout, limit_s, time_limit
-from kvcompose.config.errors import did_you_mean, shown
 from kvcompose.config.known import needs_package, no_hma
 from kvcompose.tree import Leaf, Route, child_transfer_config, walk
-from kvcompose.tree.messages import Wording, at
+from kvcompose.tree.messages import Wording, at, did_you_mean, shown
 
 #: Connectors vLLM special-cases by name (``KVTransferConfig.has_connector``, HiSparse,
 #: SimpleCPUOffload); under a KVCompose composite those checks do not see them.
