@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcompose.config.env import ENV_CONFIG_FILE, Override, mapping_overrides
-from kvcompose.config.errors import ConfigError, Path, located, shown_list
+from kvcompose.config.errors import Path, shown_list
 from kvcompose.config.include import Referrer, including
 from kvcompose.config.source import Source
 from kvcompose.tree import NODE_KINDS, describe
@@ -49,13 +49,13 @@ def split_extra(
 ) -> Found:
     """Where the document of an extra config comes from, and the override keys given next
     to it."""
-    label = outer.label or EXTRA_CONFIG
+    here = Source(extra, outer.label or EXTRA_CONFIG, outer.linemap, outer.path)
     late: list[Override] = []
     if "set" in extra:
         late = mapping_overrides(extra.pop("set"), dotted(prefix, "set"))
     has_tree = "connectors" in extra or "tree" in extra or any(k in extra for k in NODE_KINDS)
     if has_tree and "config" not in extra:
-        return Found(late, inline=Source(extra, label, outer.linemap, outer.path))
+        return Found(late, inline=here)
     top = [
         Override(dotted(prefix, key), key, value) for key, value in extra.items() if key != "config"
     ]
@@ -64,29 +64,20 @@ def split_extra(
         # a path object was made text before the walk (config_from_extra_config)
         if not isinstance(path, str) or not path:
             got = "an empty string" if path == "" else describe(path)
-            raise ConfigError(
-                located(outer.linemap, (*prefix, "config"), f"expected a file path, got {got}"),
-                label,
-            )
+            raise here.error((*prefix, "config"), f"expected a file path, got {got}")
         return Found(
             top + late,
             file=path,
-            referrer=Referrer(label, (*prefix, "config"), outer.linemap),
+            referrer=Referrer(here.label, (*prefix, "config"), outer.linemap),
         )
     if env.get(ENV_CONFIG_FILE):
         return Found(top + late, file=env[ENV_CONFIG_FILE], referrer=Referrer(ENV_CONFIG_FILE))
     got = shown_list(repr(k) for k in extra) or "none"
     needs = "a nested KVCompose connector needs its own tree: " if prefix else ""
-    raise ConfigError(
-        located(
-            outer.linemap,
-            prefix,
-            f"{needs}no tree given: expected 'tree' "
-            "(an inline tree), 'config' (a file path) or 'connectors' "
-            f"(MultiConnector form), or set {ENV_CONFIG_FILE}; got keys: "
-            f"{got}",
-        ),
-        label,
+    raise here.error(
+        prefix,
+        f"{needs}no tree given: expected 'tree' (an inline tree), 'config' (a file path) or "
+        f"'connectors' (MultiConnector form), or set {ENV_CONFIG_FILE}; got keys: {got}",
     )
 
 

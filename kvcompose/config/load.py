@@ -18,7 +18,7 @@ from kvcompose.config.env import (
     env_overrides,
     environ,
 )
-from kvcompose.config.errors import ConfigError, ErrorItem, Path, line_for, located
+from kvcompose.config.errors import ConfigError, ErrorItem, Path, line_for
 from kvcompose.config.extra_config import EXTRA_CONFIG, opened, split_extra
 from kvcompose.config.include import including
 from kvcompose.config.loaded import Config, identity
@@ -218,8 +218,7 @@ def _from_composite_args(
     """A KVCompose ``--kv-transfer-config`` (what ``vllm-args`` prints)."""
     extra = data.get(EXTRA_CONFIG)
     if not isinstance(extra, Mapping):
-        message = f"expected a mapping, got {describe(extra)}"
-        raise ConfigError(located(src.linemap, (EXTRA_CONFIG,), message), src.label)
+        raise src.error((EXTRA_CONFIG,), f"expected a mapping, got {describe(extra)}")
     parent = {k: v for k, v in data.items() if k in TRANSFER_FIELDS and v is not None}
     if TREE_KEY in extra:  # the internal form, in a file: validate it like any document
         tree = _parse_internal(extra[TREE_KEY], src.label, (EXTRA_CONFIG, TREE_KEY))
@@ -282,9 +281,7 @@ def _load(
             else "is a single connector: kvcompose reads its own documents, KVCompose and "
             "MultiConnector configs"
         )
-        raise ConfigError(
-            located(src.linemap, translate(("kv_connector",)), f"{shown(name)} {why}"), src.label
-        )
+        raise src.error(translate(("kv_connector",)), f"{shown(name)} {why}")
     compiled = compile_document(data, src.label, src.linemap, translate)
     applied: list[str] = []
     for override in overrides:

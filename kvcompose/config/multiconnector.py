@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvcompose.config.errors import ConfigError, Path, located
+from kvcompose.config.errors import ConfigError, Path
 from kvcompose.config.extra_config import EXTRA_CONFIG
 from kvcompose.config.messages import LEAF_KEYS
 from kvcompose.config.source import Source
@@ -65,7 +65,7 @@ def document_from_multiconnector(
         return translate(_translate(path, prefix))
 
     def fail(path: Path, message: str) -> ConfigError:
-        return ConfigError(located(src.linemap, back(path), message), src.label)
+        return src.error(back(path), message)
 
     fields = kv_transfer_fields()
     doc: dict[str, Any] = {}
@@ -79,15 +79,14 @@ def document_from_multiconnector(
         extra = data.get(EXTRA_CONFIG)
         if not isinstance(extra, Mapping) or "connectors" not in extra:
             message = f"expected a mapping with 'connectors', got {describe(extra)}"
-            raise ConfigError(located(src.linemap, translate(prefix), message), src.label)
+            raise src.error(translate(prefix), message)
         allowed = ["connectors", *EXTRA_KEYS]
     else:
         extra = data
         allowed = ["connectors", *EXTRA_KEYS, *TRANSFER_FIELDS, "transfer_config"]
     for key in extra:
         if key not in allowed:
-            message = unknown(key, allowed)
-            raise ConfigError(located(src.linemap, translate((*prefix, key)), message), src.label)
+            raise src.error(translate((*prefix, key)), unknown(key, allowed))
         if key != "connectors":  # allowed: a document key
             doc[key] = extra[key]
     doc["tree"] = _chain(extra, fields, fail)

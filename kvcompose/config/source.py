@@ -24,7 +24,7 @@ from typing import IO, Any
 import yaml
 
 from kvcompose.config import limits, reader
-from kvcompose.config.errors import ConfigError, ErrorItem, LineMap
+from kvcompose.config.errors import ConfigError, ErrorItem, LineMap, Path, located
 from kvcompose.config.limits import MAX_FILE_BYTES, size_text
 from kvcompose.config.plain import check_plain
 from kvcompose.tree import describe
@@ -47,6 +47,10 @@ class Source:
             message = f"expected a mapping at the top level, got {describe(self.data)}"
             raise ConfigError(message, self.label)
         return dict(self.data)
+
+    def error(self, path: Path, message: str) -> ConfigError:
+        """A ``ConfigError`` about ``path`` in this document, with its line."""
+        return ConfigError(located(self.linemap, path, message), self.label)
 
 
 def read_file(path: str | os.PathLike) -> Source:
