@@ -17,6 +17,7 @@ from hypothesis import note
 from machine_behaviours import WORKER_RAISES, Gen
 from machine_stats import STATS
 
+from kvcompose.composite import CompositeConnector
 from kvcompose.testing.scripted import Behaviour, Script
 
 #: Steps the final drain may take, plus this many per unfinished request, before the
@@ -41,8 +42,6 @@ SCHEDULER_RAISES = ("get_num_new_matched_tokens", "update_state_after_alloc", "r
 
 def composites(connector: Any) -> Iterator[Any]:
     """The composite node and its composite descendants, parents first."""
-    from kvcompose.composite import CompositeConnector
-
     if isinstance(connector, CompositeConnector):
         yield connector
         for child in connector.children:
@@ -50,8 +49,6 @@ def composites(connector: Any) -> Iterator[Any]:
 
 
 def leaves(connector: Any) -> Iterator[Any]:
-    from kvcompose.composite import CompositeConnector
-
     if isinstance(connector, CompositeConnector):
         for child in connector.children:
             yield from leaves(child.connector)
