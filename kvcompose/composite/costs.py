@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 DECAY = 0.8
 #: Steps with fewer scheduled tokens (decode-only) do not measure prefill speed.
 MIN_PREFILL_STEP_TOKENS = 32
+#: A prefill measurement's weight after the first (``1 - DECAY``, computed once).
+_LATER_ALPHA = 1 - DECAY
 #: KV bytes per token when the model's shape cannot be read (a 1B model's order).
 FALLBACK_BYTES_PER_TOKEN = 32 * 1024
 #: A cold child's loads are probes until this many are timed: two sizes fit a line.
@@ -181,7 +183,10 @@ class Costs:
     # whether ``_sync_before`` may hold a load (False: empty), so that a step without new
     # loads touches neither table
     _sync_held_before: bool = False
-    _last_step: tuple[float, int] | None = None
+    # when the last step was scheduled, and its tokens (0 before the first: nothing measured);
+    # two numbers, not a tuple made and dropped every step
+    _last_step_at: float = 0.0
+    _last_step_tokens: int = 0
     _sync_load_s: float = 0.0  # the sync loads timed since the last step was scheduled
     #: every child has a prior or ``PROBES`` timed loads (set by ``any_cold``; never unset)
     warm_for_good: bool = False
@@ -340,17 +345,18 @@ class Costs:
     def step(self, scheduled_tokens: int) -> None:
         """A step was scheduled with ``scheduled_tokens``: the previous one's time is known."""
         now = self.clock()
-        last = self._last_step
-        if last is not None and last[1] >= MIN_PREFILL_STEP_TOKENS:
-            since, tokens = last
-            elapsed = now - since - self._sync_load_s
+        tokens = self._last_step_tokens
+        if tokens >= MIN_PREFILL_STEP_TOKENS:
+            elapsed = now - self._last_step_at - self._sync_load_s
             if elapsed > 0:
                 # the first measurement halves the prior's weight, later ones move it by 1/5
-                alpha = 0.5 if not self.prefill_measured else 1 - DECAY
+                alpha = 0.5 if not self.prefill_measured else _LATER_ALPHA
                 self.prefill_tokens_per_s += alpha * (tokens / elapsed - self.prefill_tokens_per_s)
                 self.prefill_measured += 1
-        self._last_step = (now, scheduled_tokens)
-        self._sync_load_s = 0.0
+        self._last_step_at = now
+        self._last_step_tokens = scheduled_tokens
+        if self._sync_load_s:
+            self._sync_load_s = 0.0
         # a sync load's time came with its step's output, or never will (its child raised):
         # those given out before the previous step are dropped, a table at a time (nothing to
         # move in a step without new loads: this runs every step, with cold caches)

@@ -48,6 +48,8 @@ Finisher = Callable[["Request", Any], tuple[bool, dict[str, Any] | None]]
 
 #: Load states in which vLLM holds a request parked: a receive is still to come.
 _IN_FLIGHT = frozenset({LoadState.LOADING, LoadState.RECOVERING})
+#: (a module constant: ``fastest``'s check of every allocation reads no class attribute)
+_NO_LOAD = LoadState.NO_LOAD
 
 
 class CompositeScheduler(SchedulerForwarding):
@@ -179,7 +181,7 @@ class CompositeScheduler(SchedulerForwarding):
                     self.guard.child_error(i, "update_state_after_alloc", exc)
             return
         record = self.ledger.allocated(req_id, num_external_tokens)
-        if self.costs is not None and record is not None and record.state is LoadState.NO_LOAD:
+        if self.costs is not None and record is not None and record.state is _NO_LOAD:
             self.costs.forget(req_id)  # granted nothing: no load to time
         if record is not None and record.segments:
             self.stitches.allocated(record, request, blocks, num_external_tokens)
@@ -271,7 +273,8 @@ class CompositeScheduler(SchedulerForwarding):
         (``kvcompose.composite.output_routing``); ``fastest`` takes its loads' times."""
         if self.costs is not None:
             meta = connector_output.kv_connector_worker_meta
-            if isinstance(meta, ComposedWorkerMeta) and meta.load_seconds:
+            # (None without a worker half's report: no type check then, once a step)
+            if meta is not None and isinstance(meta, ComposedWorkerMeta) and meta.load_seconds:
                 self._timed(meta.load_seconds)
         self._outputs.route(connector_output)
 
