@@ -20,7 +20,8 @@
 #   scripts/test.sh -m "not engine and not pd"      the fast subset, in both versions
 #   scripts/test.sh tests/test_bed_harness.py -x    one file
 #   KVCOMPOSE_TEST_WORKERS=0 scripts/test.sh -m "not engine and not pd"   in one process each
-# The inner loop, phase 1a alone (no engines, vLLM 0.32; 172-190 s on 2 cores, 2026-12-03):
+# The inner loop, phase 1a alone (no engines, vLLM 0.32; 172-190 s on 2 cores, 2026-12-03;
+# 141 s with "and not version_neutral" added to -m):
 #   .venv/bin/python -m pytest -m "not engine and not pd" -n 2 --dist worksteal
 # A -m expression given here is combined with each part's own ("(EXPR) and not engine ...").
 # Installs first (scripts/setup.sh --no-run) when the environments are missing or stale.
