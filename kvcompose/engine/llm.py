@@ -72,11 +72,12 @@ def make_llm(
         cfg = dict(kv_transfer_config)
         cfg.setdefault("kv_role", "kv_both")
         args["kv_transfer_config"] = KVTransferConfig(**cfg)
-    # vLLM runs three full garbage collections while it builds an engine (the profile run,
-    # EngineCore's freeze_gc_heap), each walking every object the imports made (about 680k
-    # for vLLM, torch and transformers: 0.4 s a walk on 2 cores). Frozen first, they are
-    # skipped, and a tiny engine starts in about 1 s instead of 2-2.5. Nothing stays frozen
-    # for good: vLLM's shutdown (the worker's, EngineCore's) unfreezes all before it collects.
+    # vLLM runs three full garbage collections while it builds an engine (two as its worker
+    # starts, one in EngineCore's freeze_gc_heap), each walking every object the imports made
+    # (about 680k for vLLM, torch and transformers: 0.4 s a walk on 2 cores). Frozen first,
+    # they are skipped, and a tiny engine starts in about 1 s instead of 2-2.5. Nothing stays
+    # frozen for good: vLLM's shutdown (the worker's, EngineCore's) unfreezes all before it
+    # collects.
     gc.freeze()
     llm = LLM(model=str(model_dir), **args)
     try:
