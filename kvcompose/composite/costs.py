@@ -46,8 +46,6 @@ if TYPE_CHECKING:
 DECAY = 0.8
 #: Steps with fewer scheduled tokens (decode-only) do not measure prefill speed.
 MIN_PREFILL_STEP_TOKENS = 32
-#: A prefill measurement's weight after the first (``1 - DECAY``, computed once).
-_LATER_ALPHA = 1 - DECAY
 #: KV bytes per token when the model's shape cannot be read (a 1B model's order).
 FALLBACK_BYTES_PER_TOKEN = 32 * 1024
 #: A cold child's loads are probes until this many are timed: two sizes fit a line.
@@ -172,14 +170,12 @@ class Costs:
     prefill_tokens_per_s: float
     clock: Callable[[], float] = time.monotonic
     prefill_measured: int = 0
-    #: sync loads given out since the last ``step``, by child and request (``expect``'s table;
-    #: the lookup's fast path stores its one sync load here itself, without the call)
-    sync_given: list[dict[str, _Waiting]] = field(default_factory=list)
+    # sync loads given out since the last ``step``, by child and request
+    _sync_given: list[dict[str, _Waiting]] = field(default_factory=list)
     # sync loads given out in the step before; a step drops this table whole
     _sync_before: list[dict[str, _Waiting]] = field(default_factory=list)
-    #: async loads awaiting their time, by child and request (a finish skips ``forget`` while
-    #: every table is empty)
-    async_given: list[dict[str, _Waiting]] = field(default_factory=list)
+    # async loads awaiting their time, by child and request
+    _async_given: list[dict[str, _Waiting]] = field(default_factory=list)
     # whether ``_sync_before`` may hold a load (False: empty), so that a step without new
     # loads touches neither table
     _sync_held_before: bool = False
@@ -198,9 +194,9 @@ class Costs:
     lines_bounded: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        self.sync_given = [{} for _ in self.loads]
+        self._sync_given = [{} for _ in self.loads]
         self._sync_before = [{} for _ in self.loads]
-        self.async_given = [{} for _ in self.loads]
+        self._async_given = [{} for _ in self.loads]
         for load in self.loads:
             load.watch(self._lines_changed)
         self._lines_changed()
@@ -230,8 +226,8 @@ class Costs:
         out = {}
         for tables, is_async in (
             (self._sync_before, False),
-            (self.sync_given, False),
-            (self.async_given, True),
+            (self._sync_given, False),
+            (self._async_given, True),
         ):
             for child, waiting in enumerate(tables):
                 for req_id, (tokens, predicted_s, since) in waiting.items():
@@ -244,7 +240,7 @@ class Costs:
     def queue_s(self, child: int) -> float:
         """The predicted time left of ``child``'s async loads in flight."""
         now = self.clock()
-        waiting = self.async_given[child].values()  # an async load's ``since`` is always set
+        waiting = self._async_given[child].values()  # an async load's ``since`` is always set
         return sum(max(0.0, p - (now - since)) for _, p, since in waiting)  # type: ignore[operator]
 
     def any_cold(self) -> bool:
@@ -285,8 +281,8 @@ class Costs:
         cold one only while no other request's load on it awaits its time."""
         if not self.cold(child):
             return True
-        sync, before = self.sync_given[child], self._sync_before[child]
-        in_flight = self.async_given[child]
+        sync, before = self._sync_given[child], self._sync_before[child]
+        in_flight = self._async_given[child]
         return len(sync) + len(before) + len(in_flight) == (
             (req_id in sync) + (req_id in before) + (req_id in in_flight)
         )
@@ -299,20 +295,20 @@ class Costs:
         self, req_id: str, child: int, tokens: int, predicted_s: float, is_async: bool
     ) -> None:
         if is_async:
-            self.async_given[child][req_id] = (tokens, predicted_s, self.clock())
+            self._async_given[child][req_id] = (tokens, predicted_s, self.clock())
         else:  # its time comes with its step's output: nothing waits on it, no clock read
-            self.sync_given[child][req_id] = (tokens, predicted_s, None)
+            self._sync_given[child][req_id] = (tokens, predicted_s, None)
 
     def forget(self, req_id: str, *, in_flight_only: bool = False) -> None:
         """The request's loads will not be timed (a 0 grant; a finish before an async load's
         receive: a sync load's time still comes with its step's output). Only the children
         with loads awaiting their time are looked at (every lookup and finish calls this)."""
-        if any(self.async_given):  # (the common finish: no async load awaits a time)
-            for waiting in self.async_given:
+        if any(self._async_given):  # (the common finish: no async load awaits a time)
+            for waiting in self._async_given:
                 if waiting:
                     waiting.pop(req_id, None)
         if not in_flight_only:
-            for waiting in self.sync_given:
+            for waiting in self._sync_given:
                 if waiting:
                     waiting.pop(req_id, None)
             for waiting in self._sync_before:
@@ -326,12 +322,12 @@ class Costs:
         for (req_id, child), seconds in times.items():
             if not 0 <= child < len(self.loads):
                 continue
-            waiting = self.sync_given[child].pop(req_id, None)
+            waiting = self._sync_given[child].pop(req_id, None)
             if waiting is None:
                 waiting = self._sync_before[child].pop(req_id, None)
             is_async = waiting is None
             if is_async:
-                waiting = self.async_given[child].pop(req_id, None)
+                waiting = self._async_given[child].pop(req_id, None)
             if waiting is not None:
                 tokens, predicted_s, since = waiting
                 self.loads[child].observe(tokens, seconds)
@@ -350,18 +346,17 @@ class Costs:
             elapsed = now - self._last_step_at - self._sync_load_s
             if elapsed > 0:
                 # the first measurement halves the prior's weight, later ones move it by 1/5
-                alpha = 0.5 if not self.prefill_measured else _LATER_ALPHA
+                alpha = 0.5 if not self.prefill_measured else 1 - DECAY
                 self.prefill_tokens_per_s += alpha * (tokens / elapsed - self.prefill_tokens_per_s)
                 self.prefill_measured += 1
         self._last_step_at = now
         self._last_step_tokens = scheduled_tokens
-        if self._sync_load_s:
-            self._sync_load_s = 0.0
+        self._sync_load_s = 0.0
         # a sync load's time came with its step's output, or never will (its child raised):
         # those given out before the previous step are dropped, a table at a time (nothing to
         # move in a step without new loads: this runs every step, with cold caches)
-        given = any(self.sync_given)
+        given = any(self._sync_given)
         if given or self._sync_held_before:
-            self._sync_before = self.sync_given
-            self.sync_given = [{} for _ in self.loads]
+            self._sync_before = self._sync_given
+            self._sync_given = [{} for _ in self.loads]
             self._sync_held_before = given

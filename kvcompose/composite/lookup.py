@@ -550,11 +550,10 @@ class Lookup:
                 return MISS
             # one child's sync load from ``local``: what ``_realise`` and ``_record`` do,
             # without a segment object (the ledger keeps only its owner), its plan and hit
-            # counted in one call and its prediction stored as ``Costs.expect`` stores a sync
-            # load's (a call less each: this runs for every request that has hits)
+            # counted in one call (this runs for every request that has hits)
             tokens = end - local
             self.counters.plan_hit(_PLAN_LOAD, child, tokens)
-            costs.sync_given[child][req_id] = (tokens, load_s, None)
+            costs.expect(req_id, child, tokens, load_s, False)
             self.ledger.decide(req_id, child, tokens, False, reason, local)
             return tokens, False
         choice = planner.choose(req_id, hits, local, num_tokens, costs)  # type: ignore[arg-type]

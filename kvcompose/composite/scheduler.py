@@ -48,8 +48,6 @@ Finisher = Callable[["Request", Any], tuple[bool, dict[str, Any] | None]]
 
 #: Load states in which vLLM holds a request parked: a receive is still to come.
 _IN_FLIGHT = frozenset({LoadState.LOADING, LoadState.RECOVERING})
-#: (a module constant: ``fastest``'s check of every allocation reads no class attribute)
-_NO_LOAD = LoadState.NO_LOAD
 
 
 class CompositeScheduler(SchedulerForwarding):
@@ -181,7 +179,7 @@ class CompositeScheduler(SchedulerForwarding):
                     self.guard.child_error(i, "update_state_after_alloc", exc)
             return
         record = self.ledger.allocated(req_id, num_external_tokens)
-        if self.costs is not None and record is not None and record.state is _NO_LOAD:
+        if self.costs is not None and record is not None and record.state is LoadState.NO_LOAD:
             self.costs.forget(req_id)  # granted nothing: no load to time
         if record is not None and record.segments:
             self.stitches.allocated(record, request, blocks, num_external_tokens)
@@ -273,8 +271,7 @@ class CompositeScheduler(SchedulerForwarding):
         (``kvcompose.composite.output_routing``); ``fastest`` takes its loads' times."""
         if self.costs is not None:
             meta = connector_output.kv_connector_worker_meta
-            # (None without a worker half's report: no type check then, once a step)
-            if meta is not None and isinstance(meta, ComposedWorkerMeta) and meta.load_seconds:
+            if isinstance(meta, ComposedWorkerMeta) and meta.load_seconds:
                 self._timed(meta.load_seconds)
         self._outputs.route(connector_output)
 
@@ -353,9 +350,8 @@ class CompositeScheduler(SchedulerForwarding):
         # aborted while loading: the loaders' receive still comes (one, for a stitch; a
         # stitch recovering from a failed segment gets it in its next round)
         loaders = None
-        costs = self.costs
-        if costs is not None and any(costs.async_given):  # (no call while none is in flight)
-            costs.forget(req_id, in_flight_only=True)
+        if self.costs is not None:  # (``forget`` returns at once while none is in flight)
+            self.costs.forget(req_id, in_flight_only=True)
         if req_id in self._ledger_ids:
             record = self.ledger.finished(req_id)
             if record is not None and record.state in _IN_FLIGHT:
