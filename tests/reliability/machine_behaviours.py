@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,51 +62,68 @@ WORKER_RAISES = (
 )
 
 
+#: The strategies a draw uses, built once: hypothesis validates a strategy the first time it
+#: is drawn from, and building them per draw was a quarter of the machine's time.
+_KIND = st.sampled_from(("miss", "sync", "async"))
+_TOKENS = st.one_of(
+    st.integers(1, MAX_PROMPT), st.sampled_from((BLOCK, 2 * BLOCK, 3 * BLOCK, 5 * BLOCK))
+)
+_PENDING = {
+    False: st.one_of(st.just(0), st.integers(1, 3)),
+    True: st.one_of(st.just(0), st.integers(1, 3), st.just(FOREVER)),  # deadline_zero
+}
+_LOAD = st.sampled_from(("ok", "ok", "fail", "invalid"))
+_WORKER_RAISE = st.sampled_from(WORKER_RAISES)
+_UP_TO = {n: st.integers(0, n) for n in (3, 5, 7, 15)}
+_ONE_TO = {n: st.integers(1, n) for n in (4, MAX_PROMPT)}
+
+
+@functools.cache
+def behaviours(leaf_name: str, gen: Gen, rank: int = 0) -> st.SearchStrategy[Behaviour]:
+    """The behaviours of child ``leaf_name`` (``rank``: its place among the leaves), one
+    strategy per child and generator (cached, like the strategies it draws from)."""
+    params = st.sampled_from((None, {f"p.{leaf_name}": 1}))
+    return _behaviours(leaf_name, gen, rank, params)
+
+
 @st.composite
-def behaviours(draw: st.DrawFn, leaf_name: str, gen: Gen, rank: int = 0) -> Behaviour:
-    kind = draw(st.sampled_from(("miss", "sync", "async")), label=f"{leaf_name}.kind")
+def _behaviours(
+    draw: st.DrawFn, leaf_name: str, gen: Gen, rank: int, params_drawn: st.SearchStrategy
+) -> Behaviour:
+    kind = draw(_KIND, label=f"{leaf_name}.kind")
     tokens = 0
     if kind != "miss" and gen.aligned:
-        unaligned = draw(st.integers(0, 7), label=f"{leaf_name}.unaligned") == 0
+        unaligned = draw(_UP_TO[7], label=f"{leaf_name}.unaligned") == 0
         # later children tend to hold more, so that three segments stitch too
-        ladder = min((rank + 1 + draw(st.integers(0, 3))) * BLOCK, MAX_PROMPT - BLOCK)
-        tokens = draw(st.integers(1, MAX_PROMPT)) if unaligned else ladder
+        ladder = min((rank + 1 + draw(_UP_TO[3])) * BLOCK, MAX_PROMPT - BLOCK)
+        tokens = draw(_ONE_TO[MAX_PROMPT]) if unaligned else ladder
     elif kind != "miss":
-        tokens = draw(
-            st.one_of(
-                st.integers(1, MAX_PROMPT),
-                st.sampled_from((BLOCK, 2 * BLOCK, 3 * BLOCK, 5 * BLOCK)),
-            )
-        )
+        tokens = draw(_TOKENS)
     # holds what earlier requests of its prompt family stored (partial prefixes included)
-    stores = kind != "miss" and draw(st.integers(0, 3), label=f"{leaf_name}.stores") == 3
-    pending = draw(
-        st.one_of(
-            st.just(0), st.integers(1, 3), st.just(FOREVER) if gen.deadline_zero else st.nothing()
-        )
-    )
+    stores = kind != "miss" and draw(_UP_TO[3], label=f"{leaf_name}.stores") == 3
+    pending = draw(_PENDING[gen.deadline_zero])
     load = "ok"
     invalid_block = 0
     load_steps = 1
     if kind != "miss":
-        load = draw(st.sampled_from(("ok", "ok", "fail", "invalid")))
+        load = draw(_LOAD)
         if load != "ok":
-            invalid_block = draw(st.integers(0, 3))
+            invalid_block = draw(_UP_TO[3])
     if kind == "async":
-        load_steps = draw(st.integers(1, 4))
-    delay = draw(st.integers(0, 3)) == 0
-    send_steps = draw(st.integers(1, 4)) if delay else 1
-    params = draw(st.sampled_from((None, {f"p.{leaf_name}": 1})))
+        load_steps = draw(_ONE_TO[4])
+    delay = draw(_UP_TO[3]) == 0
+    send_steps = draw(_ONE_TO[4]) if delay else 1
+    params = draw(params_drawn)
     raise_in: set[str] = set()
-    if draw(st.integers(0, 15)) == 0:
+    if draw(_UP_TO[15]) == 0:
         raise_in.add("get_num_new_matched_tokens")
-    if (tokens == 0 or raise_in) and draw(st.integers(0, 15)) == 0:
+    if (tokens == 0 or raise_in) and draw(_UP_TO[15]) == 0:
         # only where the child cannot own the load: an owner's alloc error must propagate
         raise_in.add("update_state_after_alloc")
-    if draw(st.integers(0, 15)) == 0:
+    if draw(_UP_TO[15]) == 0:
         raise_in.add("request_finished")
-    if draw(st.integers(0, 7), label=f"{leaf_name}.worker_raise") == 0:
-        raise_in.add(draw(st.sampled_from(WORKER_RAISES), label=f"{leaf_name}.worker_method"))
+    if draw(_UP_TO[7], label=f"{leaf_name}.worker_raise") == 0:
+        raise_in.add(draw(_WORKER_RAISE, label=f"{leaf_name}.worker_method"))
     b = B(
         tokens=tokens,
         is_async=kind == "async",
@@ -122,10 +140,10 @@ def behaviours(draw: st.DrawFn, leaf_name: str, gen: Gen, rank: int = 0) -> Beha
     )
     if gen.breakers:
         b.delay_free_if_loading = delay and draw(st.booleans())
-        b.break_zero_async = draw(st.integers(0, 5)) == 0
-        b.break_rogue_recv = draw(st.integers(0, 5)) == 0
-        b.break_duplicate_recv = kind == "async" and draw(st.integers(0, 3)) == 0
-        b.break_rogue_send = draw(st.integers(0, 5)) == 0
+        b.break_zero_async = draw(_UP_TO[5]) == 0
+        b.break_rogue_recv = draw(_UP_TO[5]) == 0
+        b.break_duplicate_recv = kind == "async" and draw(_UP_TO[3]) == 0
+        b.break_rogue_send = draw(_UP_TO[5]) == 0
     return b
 
 
