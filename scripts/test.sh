@@ -20,9 +20,9 @@
 #   scripts/test.sh -m "not engine and not pd"      the fast subset, in both versions
 #   scripts/test.sh tests/test_bed_harness.py -x    one file
 #   KVCOMPOSE_TEST_WORKERS=0 scripts/test.sh -m "not engine and not pd"   in one process each
-# The inner loop, phase 1a alone (no engines, vLLM 0.32; 172-190 s on 2 cores, 2026-12-03;
-# 141 s with "and not version_neutral" added to -m):
-#   .venv/bin/python -m pytest -m "not engine and not pd" -n 2 --dist worksteal
+# The inner loop (no engines, vLLM 0.32; 132 s on 2 cores, 2026-12-03): phase 1a without the
+# tests marked vllm_process (each starts a process that imports vLLM, ~8 s of one core):
+#   .venv/bin/python -m pytest -m "not engine and not pd and not vllm_process" -n 2 --dist worksteal
 # A -m expression given here is combined with each part's own ("(EXPR) and not engine ...").
 # Installs first (scripts/setup.sh --no-run) when the environments are missing or stale.
 # Exits non-zero when a phase fails. A part selecting no test (pytest exit 5) is not a

@@ -24,6 +24,7 @@ MULTICONNECTOR_FORM = {
 }
 
 
+@pytest.mark.vllm_process
 def test_the_runtime_imports_no_config_cli_or_bench() -> None:
     code = (
         "import sys, kvcompose.composite.node, kvcompose.connector, kvcompose.compat\n"

@@ -329,6 +329,7 @@ def test_module_entry_point_runs_as_a_program(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.vllm_process
 @needs_vllm
 def test_vllm_args_stdout_is_clean_json_with_vllm(tmp_path: Path) -> None:
     """vLLM logs to stdout when imported; the CLI keeps it quiet so the output pipes."""

@@ -107,6 +107,7 @@ def python(directory: Path, code: str, *args: str, **env: str) -> tuple[str, str
     return proc.stdout.decode(), proc.stderr.decode()
 
 
+@pytest.mark.vllm_process
 @VERSION_NEUTRAL
 @needs_vllm
 @pytest.mark.timeout(600)
@@ -121,6 +122,7 @@ def test_a_module_that_never_finishes_importing(modules: Path, module: str) -> N
         assert_clean_error(run(modules, verb, name), expected)
 
 
+@pytest.mark.vllm_process
 @needs_vllm
 @pytest.mark.timeout(300)
 def test_inside_vllm_the_same_checks_end_in_a_config_error(modules: Path) -> None:
@@ -159,6 +161,7 @@ def test_a_real_engine_fails_to_start_instead_of_hanging(modules: Path, tiny_mod
     assert f"ConfigError: {HANGING_ERROR}" in err, err[-3000:]
 
 
+@pytest.mark.vllm_process
 @needs_vllm
 @pytest.mark.timeout(300)
 def test_validate_check_vllm_and_a_class_method_that_never_returns(modules: Path) -> None:
@@ -173,6 +176,7 @@ def test_validate_check_vllm_and_a_class_method_that_never_returns(modules: Path
     assert code == 0, err[-2000:]
 
 
+@pytest.mark.vllm_process
 @VERSION_NEUTRAL
 @needs_vllm
 @pytest.mark.timeout(300)
@@ -194,6 +198,7 @@ def test_a_route_predicate_module_that_never_finishes_importing(modules: Path) -
     )
 
 
+@pytest.mark.vllm_process
 @VERSION_NEUTRAL
 @needs_vllm
 @pytest.mark.timeout(300)
@@ -208,6 +213,7 @@ def test_code_that_cannot_be_interrupted_ends_the_process_with_a_message(modules
     assert time.monotonic() - started < 140
 
 
+@pytest.mark.vllm_process
 @VERSION_NEUTRAL
 @needs_vllm
 @pytest.mark.timeout(300)

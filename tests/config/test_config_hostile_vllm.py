@@ -71,6 +71,7 @@ def write(path: Path, data: dict[str, object]) -> str:
     return path.name
 
 
+@pytest.mark.vllm_process
 @pytest.mark.timeout(300)
 def test_a_module_that_exits_on_import(modules: Path) -> None:
     message = (
@@ -87,6 +88,7 @@ def test_a_module_that_exits_on_import(modules: Path) -> None:
     )
 
 
+@pytest.mark.vllm_process
 @pytest.mark.timeout(300)
 def test_a_module_that_prints_on_import_leaves_stdout_clean(modules: Path) -> None:
     name = write(
@@ -101,6 +103,7 @@ def test_a_module_that_prints_on_import_leaves_stdout_clean(modules: Path) -> No
     assert "hello from an import" in err
 
 
+@pytest.mark.vllm_process
 @pytest.mark.timeout(300)
 def test_a_class_that_is_no_connector(modules: Path) -> None:
     message = (
