@@ -10,12 +10,14 @@ Three estimates, each from where it is seen:
   waits behind them: loads on one child add up);
 - **a cold child** (no ``expect_read``, fewer than ``PROBES`` loads timed) takes one load at
   a time, and a short one where it can be cut (``Costs.probe_tokens``: 128 tokens, then
-  512): its default prior is a guess, and a guess wrong by 100x would otherwise send every
+  the shortest load at which the line its first time fitted beats computing, at most 512):
+  its default prior is a guess, and a guess wrong by 100x would otherwise send every
   request looked up before its first times come back to it, each with its whole hit; two
   sizes fit its line. A first probe that beats computing even read as all rate (the worst
-  case for a longer load) ends the probing (``Costs.cold``, ``Costs.usable``). The first
-  probe is priced at nothing (``Costs.free_probe``): it is bought to be timed, and its cost
-  is bounded by ``probe_tokens``;
+  case for a longer load) ends the probing (``Costs.cold``, ``Costs.usable``); so does one
+  whose line loses to computing at every length up to 512. The first probe is priced at
+  nothing (``Costs.free_probe``): it is bought to be timed, and its cost is bounded by
+  ``probe_tokens``. A plan takes one cold child at most (``kvcompose.composite.fastest``);
 - **the engine's prefill**: tokens per second over the engine's own steps, the tokens each
   step scheduled over the time from its ``build_connector_meta`` to the next one's (the
   scheduler side sees every step), less the time its sync loads took (timed by the worker
@@ -50,7 +52,8 @@ MIN_PREFILL_STEP_TOKENS = 32
 FALLBACK_BYTES_PER_TOKEN = 32 * 1024
 #: A cold child's loads are probes until this many are timed: two sizes fit a line.
 PROBES = 2
-#: A cold child's first probe (tokens); each next one is 4x the last.
+#: A cold child's first probe (tokens); the next one is the shortest load longer than the
+#: last at which the child's line beats computing, at most 4x this (``Costs.probe_tokens``).
 PROBE_TOKENS = 128
 #: A ``LoadCost``'s line: setting either tells its ``Costs`` (``Costs._lines_changed``).
 _LINE = frozenset(("latency_s", "tokens_per_s"))
@@ -83,6 +86,8 @@ class LoadCost:
     prior_given: bool = False
     #: the slowest timed load read as all rate (tokens / its seconds): a bound for longer loads
     worst_tokens_per_s: float = math.inf
+    #: the tokens of the last timed load (a cold child's next probe is longer)
+    last_tokens: int = 0
     # weighted sums of x = tokens, y = seconds over the timed loads
     _w: float = 0.0
     _x: float = 0.0
@@ -113,6 +118,7 @@ class LoadCost:
         if tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
         self.measured += 1
+        self.last_tokens = tokens
         if seconds > 0:
             self.worst_tokens_per_s = min(self.worst_tokens_per_s, tokens / seconds)
         w = self._w = self._w * DECAY + 1.0
@@ -261,8 +267,30 @@ class Costs:
         return not (load.measured and load.worst_tokens_per_s > self.prefill_tokens_per_s)
 
     def probe_tokens(self, child: int) -> int | None:
-        """The most a cold child's next load may take (where it can be cut); None if warm."""
-        return PROBE_TOKENS * 4 ** self.loads[child].measured if self.cold(child) else None
+        """The most a cold child's next load may take (where it can be cut); None if warm.
+
+        The first probe: ``PROBE_TOKENS``. A later one: the shortest load longer than the last
+        timed one at which the child's line beats computing, at most ``4 * PROBE_TOKENS``.
+        One time cannot tell latency from rate, and the line it fitted reads it as latency
+        (``LoadCost.observe``): if that is right, any load beyond the break-even pays, and
+        the shortest one already fits the line with a second size; if the time was rate
+        instead, the probe's loss grows with its length. (At a fixed 4x, the slow-tier
+        benchmark's disk tier, 160 ms for 128 tokens, took its second probe at 512 tokens in
+        580 ms, against about 300 ms computing them: benchmarks/results/fastest_slow_tier/
+        diagnosis.md.) Whether the child is probed again is unchanged: its line beats
+        computing at some length up to the cap exactly when it does at the cap."""
+        if not self.cold(child):
+            return None
+        load = self.loads[child]
+        if not load.measured:
+            return PROBE_TOKENS
+        cap = PROBE_TOKENS * 4**load.measured
+        prefill, rate = self.prefill_tokens_per_s, load.tokens_per_s
+        if not rate > prefill > 0 or load.latency_s < 0:
+            return cap  # its line never beats computing: the probe is not bought anyway
+        # latency + t / rate < t / prefill  <=>  t > latency * prefill * rate / (rate - prefill)
+        pays = math.floor(load.latency_s * prefill * rate / (rate - prefill)) + 1
+        return max(load.last_tokens + 1, min(cap, pays))
 
     def free_probe(self, child: int) -> bool:
         """Whether ``child``'s probe (a segment of a cold child that can be cut, at most
@@ -271,8 +299,11 @@ class Costs:
         it loses to the same plan without it (by the guess's latency, the fleet benchmark's
         local tier) and the child is never timed. Its cost is bounded: one load at a time
         (``usable``), at most ``PROBE_TOKENS``, and only until its first time comes back; the
-        second probe is priced by the line that time fitted, so a slow first probe ends the
-        probing."""
+        second probe is priced by the line that time fitted. That line reads the time as
+        latency (``LoadCost.observe``), so only a first probe slow enough that the line loses
+        to computing at every length up to the cap ends the probing: one time cannot tell a
+        tier with a large fixed cost (which pays on longer loads) from a slow one, and the
+        second probe, as short as can pay (``probe_tokens``), tells."""
         load = self.loads[child]
         return not load.prior_given and not load.measured
 

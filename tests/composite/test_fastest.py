@@ -155,14 +155,16 @@ def test_a_cold_child_takes_one_load_until_it_is_timed(harness, prior):
     h.assert_clean()
 
 
-@pytest.mark.parametrize(("probe_s", "second"), [(0.0, 704), (0.1, 512), (1.0, 0)])
+@pytest.mark.parametrize(("probe_s", "second"), [(0.0, 704), (0.1, 208), (0.2, 416), (1.0, 0)])
 def test_a_probe_that_beats_computing_ends_the_probing(harness, probe_s, second):
     """a is cold and holds 704 tokens. Its first probe (128 tokens, priced at nothing) takes
     ``probe_s``: at 0 s it beats computing (2,000 tokens/s) even read as all rate, so the next
-    request loads all 704; at 0.1 s (1,280 tokens/s read as rate) a is still cold and the next
-    load is the second probe, 512 tokens, priced by the line the first time fitted (0.1 s +
-    512 tokens at the prior's rate beats computing them); at 1 s that line loses to computing,
-    so a slow first probe ends the probing: the next request recomputes."""
+    request loads all 704. At 0.1 s (1,280 tokens/s read as rate) a is still cold; the line
+    that time fitted (99.7 ms + the prior's 488,281 tokens/s: the test model's KV is 2 KiB a
+    token) beats computing beyond 200 tokens, so the second probe is the shortest load past
+    that on the 16-token grid, 208 (before, always 512: 4x the first); at 0.2 s (199.7 ms +
+    the same rate) beyond 401: 416. At 1 s that line loses to computing at any length up to
+    the cap (512), so a slow first probe ends the probing: the next request recomputes."""
     a = script("a", Behaviour(tokens=704))
     h = harness(fastest(native("a")), layer_calls=False)
     loads_take(h, frozen(h), probe_s)
@@ -301,4 +303,32 @@ def test_a_cold_child_is_probed_in_a_stitch_then_stitched_whole(harness):
     assert lookups_at(shared, second.request_id)[-1] == 160
     assert counters(h)["plans.stitch"] == 2
     assert not costs.expected  # every load was timed
+    h.assert_clean()
+
+
+def test_a_plan_probes_one_cold_child(harness):
+    """The slow-tier benchmark's first request (benchmarks/results/fastest_slow_tier/
+    diagnosis.md): a and b are both cold (no prior) and can be cut; a holds 256 tokens, b
+    512. Before, the first plan probed both, ``a[0,128) + b[128,256)`` (each a first probe
+    priced at nothing): two unknown times on one request, b's on tokens a holds. A plan takes
+    one cold child: the first request probes a alone (``a[0,128)``, the rest computed; it ties
+    ``b[0,128)`` and comes first in the chain). Its time (the clock does not move) shows a
+    fast, so the next request loads a's whole hit and probes b after it, on tokens it would
+    otherwise compute: ``a[0,256) + b[256,384)``."""
+    a = script("a", Behaviour(tokens=256))
+    b = script("b", Behaviour(tokens=512))
+    h = harness(fastest(native("a"), native("b")), layer_calls=False)
+    loads_take(h, frozen(h), 0.0)
+    costs = h.connector.scheduler_side.costs
+    first = h.add_request(prompt(600, 60), max_tokens=1)
+    h.run_until_idle()
+    assert allocs(a, first.request_id)[0] == 128
+    assert allocs(b, first.request_id) in ([], [0])  # not in the plan
+    assert costs.loads[0].measured == 1 and not costs.cold(0) and costs.cold(1)
+    second = h.add_request(prompt(600, 61), max_tokens=1)
+    h.run_until_idle()
+    assert allocs(a, second.request_id)[0] == 256
+    assert allocs(b, second.request_id)[0] == 128
+    assert lookups_at(b, second.request_id)[-1] == 256
+    assert costs.loads[1].measured == 1
     h.assert_clean()
