@@ -17,7 +17,7 @@ Three estimates, each from where it is seen:
   case for a longer load) ends the probing (``Costs.cold``, ``Costs.usable``); so does one
   whose line loses to computing at every length up to 512. The first probe is priced at
   nothing (``Costs.free_probe``): it is bought to be timed, and its cost is bounded by
-  ``probe_tokens``. A plan takes one cold child at most (``kvcompose.composite.fastest``);
+  ``probe_tokens``;
 - **the engine's prefill**: tokens per second over the engine's own steps, the tokens each
   step scheduled over the time from its ``build_connector_meta`` to the next one's (the
   scheduler side sees every step), less the time its sync loads took (timed by the worker

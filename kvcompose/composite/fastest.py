@@ -20,15 +20,6 @@ left out (``Costs.usable``), and its segment, where it can be cut, ends at most
 ``Costs.probe_tokens`` after its start (rounded up to its alignment): its first times are
 bought with short loads.
 
-**A plan takes one cold child at most.** A cold child's load time is unknown (that is why it
-is probed), and two in one plan put two unknown times on one request's time to first token.
-One at a time, the next plan knows the first one's time: in the slow-tier benchmark both
-tiers start cold, and the first plan was ``fast[0,128) + disk[128,256)``, the disk tier's
-probe (160 ms, against about 80 ms computing its 128 tokens) on tokens the fast tier holds
-and only its probe cut short. Now the first request probes the fast tier alone, its time
-shows it fast, and the next one loads its whole hit and probes the disk tier after it, on
-tokens it would otherwise compute (benchmarks/results/fastest_slow_tier/diagnosis.md).
-
 **A cold child's first probe is priced at nothing** (``Costs.free_probe``: a cold child none
 of whose loads has been timed, in a segment cut to its probe): it is bought to be timed, and
 its cost is bounded by ``Costs.probe_tokens``, one probe in flight at a time
@@ -171,7 +162,7 @@ class Planner:
             if found is not None:
                 child, end, total, _ = found
                 return Choice((Part(child, local, end, False),) if child >= 0 else (), total)
-        return _Walk(self, hits, local, num_tokens, costs, weighed, cold).run(recompute)
+        return _Walk(self, hits, local, num_tokens, costs, weighed).run(recompute)
 
     def scan(
         self,
@@ -265,7 +256,6 @@ class _Walk:
     """The depth-first walk of one lookup's plans (see the module docstring)."""
 
     __slots__ = (
-        "any_cold",
         "best",
         "best_s",
         "bound_rate",
@@ -290,7 +280,6 @@ class _Walk:
         num_tokens: int,
         costs: Costs,
         weighed: list[Choice] | None,
-        any_cold: bool = True,
     ) -> None:
         loads = costs.loads
         prefill = costs.prefill_tokens_per_s
@@ -309,8 +298,6 @@ class _Walk:
             cheap = cheap and load.latency_s >= 0 and load.tokens_per_s > 0
         self.planner = planner
         self.costs = costs
-        #: whether a child may be cold (``Costs.any_cold``): else no row asks
-        self.any_cold = any_cold
         self.hits = hits
         #: each hit's row (``_row``), made when the walk first reaches it
         self.rows: list[tuple | None] = [None] * len(hits)  # type: ignore[type-arg]
@@ -330,9 +317,8 @@ class _Walk:
     def _row(self, i: int) -> tuple:  # type: ignore[type-arg]
         """What every extension by hit ``i`` reads: its bit among the hits, child, end,
         async, mode, whether it ends a plan, its unit, its load's line, its queue (async),
-        its probe length (a cold child that can be cut), its cuts (the last start of each
-        later-ending child below its end, on that child's unit) and whether the child is
-        cold (``Costs.cold``: a plan takes one cold child at most). A first probe
+        its probe length (a cold child that can be cut) and its cuts (the last start of each
+        later-ending child below its end, on that child's unit). A first probe
         (``Costs.free_probe``) is priced at nothing: latency 0 and an infinite rate, so its
         load adds exactly 0.0 to the sums."""
         hits, costs, static = self.hits, self.costs, self.planner.static
@@ -366,7 +352,6 @@ class _Walk:
             costs.queue_s(child) if is_async else 0.0,
             probe,
             cuts,
-            self.any_cold and costs.cold(child),
         )
         self.rows[i] = row
         return row
@@ -388,7 +373,7 @@ class _Walk:
         self.best_s = recompute_s
         local = self.local
         bound = self._bound(local, 0.0, 0.0) if self.prune else 0.0
-        self._extend(local, 0, False, False, False, 0.0, 0.0, (), bound)
+        self._extend(local, 0, False, False, 0.0, 0.0, (), bound)
         return Choice(tuple(Part(*p) for p in self.best), self.best_s)
 
     def _extend(
@@ -397,7 +382,6 @@ class _Walk:
         used: int,
         any_async: bool,
         sync_only: bool,
-        probing: bool,
         sync: float,
         waits: float,
         parts: tuple[tuple[int, int, int, bool], ...],
@@ -405,8 +389,7 @@ class _Walk:
     ) -> None:
         """Every plan that extends ``parts`` (ending at ``pos``), each priced, then extended
         in turn; none once ``bound`` (``_bound``, when pruning) shows that no plan extending
-        ``parts`` can replace the best so far. ``probing``: ``parts`` has a cold child's
-        segment, so no other cold child may follow."""
+        ``parts`` can replace the best so far."""
         num_tokens, prefill, weighed, prune = (
             self.num_tokens,
             self.prefill,
@@ -434,12 +417,9 @@ class _Walk:
                 queue,
                 probe,
                 cuts,
-                cold,
             ) = rows[i] or self._row(i)
             if used & bit or pos % unit:
                 continue
-            if cold and probing:
-                continue  # one cold child a plan: one unknown time on its request
             if mode == "sole_owner" and not first:
                 continue
             if mode == "natural_end" and (any_async or is_async):
@@ -474,7 +454,6 @@ class _Walk:
                     used | bit,
                     any_async or is_async,
                     sync_only or mode == "natural_end",
-                    probing or cold,
                     s,
                     w,
                     plan,

@@ -304,31 +304,3 @@ def test_a_cold_child_is_probed_in_a_stitch_then_stitched_whole(harness):
     assert counters(h)["plans.stitch"] == 2
     assert not costs.expected  # every load was timed
     h.assert_clean()
-
-
-def test_a_plan_probes_one_cold_child(harness):
-    """The slow-tier benchmark's first request (benchmarks/results/fastest_slow_tier/
-    diagnosis.md): a and b are both cold (no prior) and can be cut; a holds 256 tokens, b
-    512. Before, the first plan probed both, ``a[0,128) + b[128,256)`` (each a first probe
-    priced at nothing): two unknown times on one request, b's on tokens a holds. A plan takes
-    one cold child: the first request probes a alone (``a[0,128)``, the rest computed; it ties
-    ``b[0,128)`` and comes first in the chain). Its time (the clock does not move) shows a
-    fast, so the next request loads a's whole hit and probes b after it, on tokens it would
-    otherwise compute: ``a[0,256) + b[256,384)``."""
-    a = script("a", Behaviour(tokens=256))
-    b = script("b", Behaviour(tokens=512))
-    h = harness(fastest(native("a"), native("b")), layer_calls=False)
-    loads_take(h, frozen(h), 0.0)
-    costs = h.connector.scheduler_side.costs
-    first = h.add_request(prompt(600, 60), max_tokens=1)
-    h.run_until_idle()
-    assert allocs(a, first.request_id)[0] == 128
-    assert allocs(b, first.request_id) in ([], [0])  # not in the plan
-    assert costs.loads[0].measured == 1 and not costs.cold(0) and costs.cold(1)
-    second = h.add_request(prompt(600, 61), max_tokens=1)
-    h.run_until_idle()
-    assert allocs(a, second.request_id)[0] == 256
-    assert allocs(b, second.request_id)[0] == 128
-    assert lookups_at(b, second.request_id)[-1] == 256
-    assert costs.loads[1].measured == 1
-    h.assert_clean()

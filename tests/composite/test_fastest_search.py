@@ -7,8 +7,7 @@ search): every plan the range modes allow, generated recursively, each priced fr
 ``predict``, the first cheapest kept, cheaper meaning cheaper by more than ``BETTER_BY``
 (before the search, by any amount: that rule's pick may differ only by rounding, which is
 checked too). A cold child's first probe (``Costs.free_probe``, a segment of a cold child
-that can be cut) is priced at nothing, and a plan takes one cold child at most, here as in
-the search. Drawn at random: hits (sync and
+that can be cut) is priced at nothing, here as in the search. Drawn at random: hits (sync and
 async, ends on and off the block grid), range modes, alignments, cuttability, priors (equal
 ones too), cold children (first probes, second ones, and ones left out while another
 request's load awaits its time), queues of async loads, prefill speeds."""
@@ -98,15 +97,12 @@ def _plans(
         if parts and supports[parts[-1].child].mode in ("sole_owner", "last_segment"):
             return
         used = {p.child for p in parts}
-        probing = any(costs.cold(p.child) for p in parts)  # a plan takes one cold child
         any_async = any(p.is_async for p in parts)
         sync_only = any(supports[p.child].mode == "natural_end" for p in parts)
         for hit in hits:
             support = supports[hit.child]
             mode = support.mode
             if hit.child in used or hit.end <= pos:
-                continue
-            if probing and costs.cold(hit.child):
                 continue
             if mode == "sole_owner" and parts:
                 continue
