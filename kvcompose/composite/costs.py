@@ -288,9 +288,10 @@ class Costs:
         prefill, rate = self.prefill_tokens_per_s, load.tokens_per_s
         if not rate > prefill > 0 or load.latency_s < 0:
             return cap  # its line never beats computing: the probe is not bought anyway
-        # latency + t / rate < t / prefill  <=>  t > latency * prefill * rate / (rate - prefill)
-        pays = math.floor(load.latency_s * prefill * rate / (rate - prefill)) + 1
-        return max(load.last_tokens + 1, min(cap, pays))
+        # latency + t / rate < t / prefill  <=>  t > latency * prefill / (1 - prefill / rate)
+        beyond = load.latency_s * prefill / (1 - prefill / rate)
+        pays = cap if beyond >= cap else math.floor(beyond) + 1
+        return max(load.last_tokens + 1, pays)
 
     def free_probe(self, child: int) -> bool:
         """Whether ``child``'s probe (a segment of a cold child that can be cut, at most
