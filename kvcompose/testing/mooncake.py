@@ -339,6 +339,11 @@ class MooncakeCluster:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.read().decode()
 
+    @property
+    def keys_url(self) -> str:
+        """The master's key listing (its admin ``/get_all_keys``: one key a line)."""
+        return f"http://127.0.0.1:{self.admin_port}/get_all_keys"
+
     def keys(self) -> list[str]:
         """Every key the master holds (its admin ``/get_all_keys``)."""
         return [k for k in self._admin("get_all_keys").splitlines() if k.strip()]
@@ -406,7 +411,7 @@ class MooncakeCluster:
             f"rc = s.setup('127.0.0.1', {self.metadata_url!r}, 0, {segment_bytes}, 'tcp', '', "
             f"{self.master_address!r})\n"
             "if rc != 0: sys.exit(f'setup failed: {rc}')\n"
-            f"url = 'http://127.0.0.1:{self.admin_port}/get_all_keys'\n"
+            f"url = {self.keys_url!r}\n"
         ) + body
         out = subprocess.run(
             [sys.executable, "-c", code],
@@ -516,12 +521,15 @@ def node_counters(llm: Any) -> dict[str, Any]:
 FAULTS: dict[str, Any] = {}
 
 
-def remove_all_after_next_hit(llm: Any, leaf: str, metadata_url: str, master_address: str) -> None:
+def remove_all_after_next_hit(
+    llm: Any, leaf: str, metadata_url: str, master_address: str, keys_url: str
+) -> None:
     """Fault injection: the next time the leaf named ``leaf`` (a ``MooncakeStoreConnector``)
     answers a lookup with a hit, every object in the store is removed right then, from a
     client of this process's own, before the worker loads the blocks (the scheduler waits
-    inside the lookup until the objects' leases allow it). It fires once; ``fault_report``
-    tells how many objects went."""
+    inside the lookup until the objects' leases allow it, at most 10 s: until the master's
+    key listing, ``keys_url``, is empty). It fires once; ``fault_report`` tells how many
+    objects went and how many keys were left."""
     from mooncake.store import MooncakeDistributedStore
 
     from kvcompose.engine.probe import scheduler_connector, walk_connectors
@@ -539,16 +547,19 @@ def remove_all_after_next_hit(llm: Any, leaf: str, metadata_url: str, master_add
         hit = lookup(request, num_computed_tokens)
         if hit[0] and not FAULTS:  # once
             FAULTS["hit"] = hit[0]
-            # an object within its lease (just written or read) is kept: repeat until the
-            # lease ended and a pass finds nothing more
+            # an object within its lease (just written or read) is kept, and a pass that
+            # removes nothing does not mean none is left: repeat until the master lists no
+            # key (as ``MooncakeCluster.clear``)
             removed, t0 = 0, time.monotonic()
-            while time.monotonic() - t0 < 10:
-                n = max(store.remove_all(), 0)
-                removed += n
-                if removed and not n:
+            while True:
+                removed += max(store.remove_all(), 0)
+                with urllib.request.urlopen(keys_url, timeout=5) as listing:
+                    left = len(listing.read().split())
+                if not left or time.monotonic() - t0 > 10:
                     break
                 time.sleep(0.05)
             FAULTS["removed"] = removed
+            FAULTS["left"] = left
             FAULTS["wait_s"] = round(time.monotonic() - t0, 2)
             store.close()
         return hit

@@ -203,7 +203,13 @@ def test_blocks_removed_between_lookup_and_load_are_recomputed(engines, empty_st
     a, b = engines["a"], engines["b"]
     assert run(b, "gone") == reference["gone"]
     assert wait_keys(cluster, SAVED) == SAVED
-    a.call(remove_all_after_next_hit, "shared", cluster.metadata_url, cluster.master_address)
+    a.call(
+        remove_all_after_next_hit,
+        "shared",
+        cluster.metadata_url,
+        cluster.master_address,
+        cluster.keys_url,
+    )
     before, ops_before = a.call(node_counters), a.call(store_operations)
     assert run(a, "gone") == reference["gone"]
     report = a.call(fault_report)
@@ -214,7 +220,7 @@ def test_blocks_removed_between_lookup_and_load_are_recomputed(engines, empty_st
         if diff(v, ops_before.get(op, {}))
     }
     print(f"\nremoved after the lookup: {report}; A's counters {hits}; Mooncake ops {ops}")
-    assert (report["hit"], report["removed"]) == (FULL, SAVED)
+    assert (report["hit"], report["removed"], report["left"]) == (FULL, SAVED, 0)
     assert hits.get("hit_tokens.shared") == FULL  # the lookup's hit, which then failed
     loads = {op: v for op, v in ops.items() if op.startswith("load")}
     assert loads and not any(op.endswith("/ok") for op in loads), loads  # the load failed
