@@ -346,7 +346,7 @@ class MooncakeCluster:
 
     def keys(self) -> list[str]:
         """Every key the master holds (its admin ``/get_all_keys``)."""
-        return [k for k in self._admin("get_all_keys").splitlines() if k.strip()]
+        return listed_keys(self.keys_url)
 
     def metrics(self) -> dict[str, float]:
         """The master's Prometheus metrics (``/metrics``), summed over labels."""
@@ -517,6 +517,13 @@ def node_counters(llm: Any) -> dict[str, Any]:
     return dict(node_stats(llm)["counters"])
 
 
+def listed_keys(keys_url: str) -> list[str]:
+    """The keys a master's listing (``MooncakeCluster.keys_url``) names, one a line; usable
+    where no ``MooncakeCluster`` is (an engine process)."""
+    with urllib.request.urlopen(keys_url, timeout=5.0) as listing:
+        return [k for k in listing.read().decode().splitlines() if k.strip()]
+
+
 #: What ``remove_all_after_next_hit`` did (engine process only).
 FAULTS: dict[str, Any] = {}
 
@@ -553,8 +560,7 @@ def remove_all_after_next_hit(
             removed, t0 = 0, time.monotonic()
             while True:
                 removed += max(store.remove_all(), 0)
-                with urllib.request.urlopen(keys_url, timeout=5) as listing:
-                    left = len(listing.read().split())
+                left = len(listed_keys(keys_url))
                 if not left or time.monotonic() - t0 > 10:
                     break
                 time.sleep(0.05)
