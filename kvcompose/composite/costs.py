@@ -10,13 +10,13 @@ Three estimates, each from where it is seen:
   waits behind them: loads on one child add up);
 - **a cold child** (no ``expect_read``, fewer than ``PROBES`` loads timed) takes one load at
   a time, and a short one where it can be cut (``Costs.probe_tokens``: 128 tokens, then
-  the shortest load at which the line its first time fitted beats computing, at most 256):
+  the shortest load at which the line its first time fitted beats computing, at most 512):
   its default prior is a guess, and a guess wrong by 100x would otherwise send every
   request looked up before its first times come back to it, each with its whole hit; two
   sizes fit its line. A first probe that beats computing even read as all rate (the worst
   case for a longer load) ends the probing (``Costs.cold``, ``Costs.usable``); so does one
-  whose line loses to computing at every length up to 512. Both probes are priced at
-  nothing (``Costs.free_probe``): they are bought to be timed, and their cost is bounded by
+  whose line loses to computing at every length up to 512. The first probe is priced at
+  nothing (``Costs.free_probe``): it is bought to be timed, and its cost is bounded by
   ``probe_tokens``;
 - **the engine's prefill**: tokens per second over the engine's own steps, the tokens each
   step scheduled over the time from its ``build_connector_meta`` to the next one's (the
@@ -53,8 +53,7 @@ FALLBACK_BYTES_PER_TOKEN = 32 * 1024
 #: A cold child's loads are probes until this many are timed: two sizes fit a line.
 PROBES = 2
 #: A cold child's first probe (tokens); the next one is the shortest load longer than the
-#: last at which the child's line beats computing, at most twice the last, and only if that
-#: is at most 4x this (``Costs.probe_tokens``).
+#: last at which the child's line beats computing, at most 4x this (``Costs.probe_tokens``).
 PROBE_TOKENS = 128
 #: A ``LoadCost``'s line: setting either tells its ``Costs`` (``Costs._lines_changed``).
 _LINE = frozenset(("latency_s", "tokens_per_s"))
@@ -270,54 +269,44 @@ class Costs:
     def probe_tokens(self, child: int) -> int | None:
         """The most a cold child's next load may take (where it can be cut); None if warm.
 
-        The first probe: ``PROBE_TOKENS``. The second: the shortest load longer than the first
-        at which the line the first time fitted beats computing (``_pays_from``), at most twice
-        the first. That line reads the time as latency (``LoadCost.observe``): if that is right,
-        a load past the break-even pays; if the time was rate instead, the probe's loss grows
-        with its length, so it doubles at most (the slow-tier benchmark's disk tier, 160 ms for
-        128 tokens, pays by that line only past 282 tokens: its second probe took 384 tokens,
-        rounded to the engine's 128-token blocks, in 440 ms against about 230 ms computing;
-        benchmarks/results/fastest_slow_tier/diagnosis.md). Where that line loses to computing
-        at every length up to the cap (``4 * PROBE_TOKENS``), the cap: not a probe, priced by
-        the line that loses (``free_probe``), so not bought."""
+        The first probe: ``PROBE_TOKENS``. A later one: the shortest load longer than the last
+        timed one at which the child's line beats computing, at most ``4 * PROBE_TOKENS``.
+        One time cannot tell latency from rate, and the line it fitted reads it as latency
+        (``LoadCost.observe``): if that is right, any load beyond the break-even pays, and
+        the shortest one already fits the line with a second size; if the time was rate
+        instead, the probe's loss grows with its length. (At a fixed 4x, the slow-tier
+        benchmark's disk tier, 160 ms for 128 tokens, took its second probe at 512 tokens in
+        580 ms, against about 300 ms computing them: benchmarks/results/fastest_slow_tier/
+        diagnosis.md.) Whether the child is probed again is unchanged: its line beats
+        computing at some length up to the cap exactly when it does at the cap."""
         if not self.cold(child):
             return None
         load = self.loads[child]
         if not load.measured:
             return PROBE_TOKENS
-        pays = self._pays_from(load)
-        if pays is None:
-            return PROBE_TOKENS * 4**load.measured
-        return max(load.last_tokens + 1, min(pays, 2 * load.last_tokens))
-
-    def _pays_from(self, load: LoadCost) -> int | None:
-        """The shortest load at which ``load``'s line beats computing, None if it does at no
-        length up to a cold child's cap (``PROBE_TOKENS * 4**measured``)."""
         cap = PROBE_TOKENS * 4**load.measured
         prefill, rate = self.prefill_tokens_per_s, load.tokens_per_s
         if not rate > prefill > 0 or load.latency_s < 0:
-            return None
+            return cap  # its line never beats computing: the probe is not bought anyway
         # latency + t / rate < t / prefill  <=>  t > latency * prefill / (1 - prefill / rate)
         beyond = load.latency_s * prefill / (1 - prefill / rate)
-        return None if beyond >= cap else math.floor(beyond) + 1
+        pays = cap if beyond >= cap else math.floor(beyond) + 1
+        return max(load.last_tokens + 1, pays)
 
     def free_probe(self, child: int) -> bool:
         """Whether ``child``'s probe (a segment of a cold child that can be cut, at most
-        ``probe_tokens``) is priced at nothing. Such a probe is bought to be timed. Priced at
-        the default prior's guess, a first probe loses to the same plan without it (by the
-        guess's latency, the fleet benchmark's local tier) and the child is never timed;
-        priced by the line one time fitted, a second probe shorter than that line's
-        break-even loses too. Its cost is bounded: one load at a time (``usable``), at most
-        ``probe_tokens`` (128 tokens, then at most 256), and only until ``PROBES`` times are
-        back. The first time's line reads it as latency (``LoadCost.observe``): one time
-        cannot tell a tier with a large fixed cost (which pays on longer loads) from a slow
-        one, and the second probe tells. Only where that line loses to computing at every
-        length up to the cap is there no second probe: the child's segments are priced by the
-        line, and cost more than computing."""
+        ``probe_tokens``) is priced at nothing: none of its loads has been timed, so its line
+        is the default prior, a guess. Such a probe is bought to be timed: priced at the guess,
+        it loses to the same plan without it (by the guess's latency, the fleet benchmark's
+        local tier) and the child is never timed. Its cost is bounded: one load at a time
+        (``usable``), at most ``PROBE_TOKENS``, and only until its first time comes back; the
+        second probe is priced by the line that time fitted. That line reads the time as
+        latency (``LoadCost.observe``), so only a first probe slow enough that the line loses
+        to computing at every length up to the cap ends the probing: one time cannot tell a
+        tier with a large fixed cost (which pays on longer loads) from a slow one, and the
+        second probe, as short as can pay (``probe_tokens``), tells."""
         load = self.loads[child]
-        if load.prior_given or not self.cold(child):
-            return False
-        return not load.measured or self._pays_from(load) is not None
+        return not load.prior_given and not load.measured
 
     def usable(self, child: int, req_id: str) -> bool:
         """Whether ``req_id``'s plans may load from ``child``: any child but a cold one; a

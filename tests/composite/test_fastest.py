@@ -155,18 +155,16 @@ def test_a_cold_child_takes_one_load_until_it_is_timed(harness, prior):
     h.assert_clean()
 
 
-@pytest.mark.parametrize(("probe_s", "second"), [(0.0, 704), (0.1, 208), (0.2, 256), (1.0, 0)])
+@pytest.mark.parametrize(("probe_s", "second"), [(0.0, 704), (0.1, 208), (0.2, 416), (1.0, 0)])
 def test_a_probe_that_beats_computing_ends_the_probing(harness, probe_s, second):
     """a is cold and holds 704 tokens. Its first probe (128 tokens, priced at nothing) takes
     ``probe_s``: at 0 s it beats computing (2,000 tokens/s) even read as all rate, so the next
     request loads all 704. At 0.1 s (1,280 tokens/s read as rate) a is still cold; the line
     that time fitted (99.7 ms + the prior's 488,281 tokens/s: the test model's KV is 2 KiB a
     token) beats computing beyond 200 tokens, so the second probe is the shortest load past
-    that on the 16-token grid, 208. At 0.2 s (199.7 ms + the same rate) the line pays only
-    beyond 401 tokens: the second probe doubles the first, 256 (before, 416: the
-    break-even), bought though that line says it loses (80 ms over computing 256 tokens)
-    because a probe is priced at nothing. At 1 s the line loses to computing at any length up
-    to the cap (512), so a slow first probe ends the probing: the next request recomputes."""
+    that on the 16-token grid, 208 (before, always 512: 4x the first); at 0.2 s (199.7 ms +
+    the same rate) beyond 401: 416. At 1 s that line loses to computing at any length up to
+    the cap (512), so a slow first probe ends the probing: the next request recomputes."""
     a = script("a", Behaviour(tokens=704))
     h = harness(fastest(native("a")), layer_calls=False)
     loads_take(h, frozen(h), probe_s)
