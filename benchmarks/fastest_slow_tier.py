@@ -21,7 +21,9 @@ is what the engine computes here). Contenders, in rotated rounds:
   their probes'.
 
 Per round, each contender's TTFT p50 and p90 are paired with the best fixed plan's and
-recompute's of the same round (``results/fastest_slow_tier/summary.md``).
+recompute's of the same round, and every request of recompute, fast-only and the ``fastest``
+contenders is listed with its TTFT and tokens loaded (``results/fastest_slow_tier/summary.md``).
+``--summary-only`` rewrites ``summary.md`` from the run already in the results directory.
 
 ``--saturation``: the same contenders with every request arriving at once (``--time-scale 0``)
 and 10 users, so that loads pile up on the slow tier; the summary adds TTFT p99 per round,
@@ -130,11 +132,68 @@ def tail_lines(requests_csv: Path, pct: float = 99) -> list[str]:
     return lines
 
 
+def request_lines(requests_csv: Path, labels: tuple[str, ...]) -> list[str]:
+    """Each of ``labels``' requests, per round, in replay order: TTFT in ms and the tokens
+    loaded (vLLM's cached tokens). Where a cold contender's probes land, and how far apart
+    two contenders with the same plan are, is only seen request by request; the rows are
+    not committed (``requests.csv``), so the summary keeps them."""
+    by: dict[tuple[str, str], list[str]] = defaultdict(list)
+    with requests_csv.open() as fh:
+        for row in csv.DictReader(fh):
+            if row["contender"] in labels and row["ttft_s"]:
+                cell = f"{float(row['ttft_s']) * 1000:,.0f} ({row['cached_tokens']})"
+                by[row["contender"], f"{row['seed']}/{row['round']}"].append(cell)
+    if not by:
+        return []
+    width = max(len(cells) for cells in by.values())
+    lines = [
+        "",
+        "Per request, in replay order: TTFT ms (tokens loaded).",
+        "",
+        "| contender | seed/round | " + " | ".join(f"#{i + 1}" for i in range(width)) + " |",
+        "|---|---|" + "---:|" * width,
+    ]
+    for label in labels:
+        for (c, rnd), cells in sorted(by.items()):
+            if c == label:
+                lines.append(f"| {c} | {rnd} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_summary(out: Path, saturation: bool) -> str | None:
+    """``summary.md`` from the run's ``results.json`` and ``requests.csv`` in ``out``."""
+    results = out / "results.json"
+    if not results.is_file():
+        return None
+    requests = out / "requests.csv"
+    text = "\n".join(
+        [
+            "# fastest against fixed plans, the disk tier EMULATED slower than computing"
+            + (": saturation (every request at once)" if saturation else ""),
+            "",
+            "The disk tier's reads are EMULATED (20 ms + bytes at 0.03 GB/s per load); the "
+            "fast tier is tmpfs. Tokens are per replay (mean over rounds).",
+            "",
+            *summary(json.loads(results.read_text()), chosen=CHOSEN),
+            *(tail_lines(requests) if saturation else []),
+            *(
+                request_lines(requests, ("recompute", "fast-only", *CHOSEN))
+                if requests.is_file() and not saturation
+                else []
+            ),
+        ]
+    )
+    (out / "summary.md").write_text(text + "\n")
+    return text
+
+
 def main(extra: list[str]) -> int:
     from kvcompose.cli.main import main as kvcompose
 
     saturation = "--saturation" in extra
     out = SATURATION if saturation else OUT
+    if "--summary-only" in extra:  # rewrite summary.md from the run already there
+        return 0 if write_summary(out, saturation) is not None else 1
     if saturation:
         extra = [a for a in extra if a != "--saturation"] + ["--time-scale", "0", "--users", "10"]
     args = ["bench", "--out", str(out), "-c", "recompute"]
@@ -149,21 +208,8 @@ def main(extra: list[str]) -> int:
     ):
         args += ["-c", f"{label}={CONTENDERS / (name + '.yaml')}"]
     rc = kvcompose([*args, *extra])
-    results = out / "results.json"
-    if results.is_file():
-        text = "\n".join(
-            [
-                "# fastest against fixed plans, the disk tier EMULATED slower than computing"
-                + (": saturation (every request at once)" if saturation else ""),
-                "",
-                "The disk tier's reads are EMULATED (20 ms + bytes at 0.03 GB/s per load); the "
-                "fast tier is tmpfs. Tokens are per replay (mean over rounds).",
-                "",
-                *summary(json.loads(results.read_text()), chosen=CHOSEN),
-                *(tail_lines(out / "requests.csv") if saturation else []),
-            ]
-        )
-        (out / "summary.md").write_text(text + "\n")
+    text = write_summary(out, saturation)
+    if text is not None:
         print(text)
     return rc
 
