@@ -67,8 +67,10 @@ def summary(
     ]
     for label in (*fixed, *chosen):
         c = by_label.get(label)
-        if c is None or c["status"] != "ok":
-            lines.append(f"| {label} | {c and c['status']} | | | | | |")
+        if c is None:
+            continue  # not in this run (a run of some of the contenders)
+        if c["status"] != "ok":
+            lines.append(f"| {label} | {c['status']} | | | | | |")
             continue
         stores = c["hits"]["stores"]
         tiers = [f"{stores.get(t, {}).get('tokens_loaded', 0):,}" for t in ("fast", "disk")]
