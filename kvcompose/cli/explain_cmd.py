@@ -10,6 +10,7 @@ from rich.tree import Tree
 
 from kvcompose.cli.common import FILE_HELP, add_load_flags, console, load
 from kvcompose.cli.explain_tiers import tier_lines
+from kvcompose.composite.costs import PROBE_TOKENS, PROBES
 from kvcompose.config import Config, effective_saves, known
 from kvcompose.config.compile import PARAMS_PRODUCERS
 from kvcompose.config.render import MODULE_PATH, composite_class
@@ -85,22 +86,35 @@ def _tree(
     fastest = isinstance(node, Chain) and node.policy == "fastest"
     for index, child in enumerate(node.children):
         sub = _tree(config, child, saves, _child_tag(node, child, index), branch)
+        support = child.range_support() if isinstance(child, Leaf) else known_range_support(None)
         if fastest:
             prior = child.expect_read if isinstance(child, Leaf) else None
-            set_by = "expect_read" if prior else "the default, one load at a time"
+            set_by = "expect_read" if prior else _cold(support.can_cut)
             prior = prior or ExpectRead()
             sub.add(
                 f"[magenta]load cost until measured: {prior.latency_ms:g} ms + bytes at "
                 f"{prior.gbps:g} GB/s[/magenta] [dim]({set_by}; replaced by its timed loads)[/dim]"
             )
         if stitching:
-            support = (
-                child.range_support() if isinstance(child, Leaf) else known_range_support(None)
-            )
             align = f", starts on {support.align} tokens" if support.align else ""
             why = escape(support.why)
             sub.add(f"[magenta]load range: {support.mode}{align}[/magenta] [dim]({why})[/dim]")
     return branch
+
+
+def _cold(can_cut: bool) -> str:
+    """How ``fastest`` treats a child without ``expect_read`` while it is cold
+    (``Costs.cold``, ``Costs.usable``, ``Costs.probe_tokens``)."""
+    probes = (
+        f", probed with {PROBE_TOKENS} tokens, then with the shortest load its first time says "
+        f"pays (at most {4 * PROBE_TOKENS})"
+        if can_cut
+        else ""
+    )
+    return (
+        f"the default, a guess: one load at a time{probes}, until {PROBES} loads are timed or "
+        "one already beats computing"
+    )
 
 
 def _label(config: Config, node: Node, saves: dict[str, bool]) -> str:

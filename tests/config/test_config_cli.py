@@ -429,6 +429,35 @@ def test_explain_shows_each_stitch_childs_range_mode(run_cli, tmp_path: Path) ->
     assert "load range: last_segment (pulls every unhashed block" in out
 
 
+def test_explain_shows_how_fastest_treats_each_childs_speed(run_cli, tmp_path: Path) -> None:
+    """A child with ``expect_read`` is trusted at once; one without is cold: one load at a
+    time, probed with short loads where it can be cut (``Costs.probe_tokens``), not where it
+    cannot (a Mooncake store's load is what it offered)."""
+    path = tmp_path / "t.yaml"
+    path.write_text(
+        "kv_role: kv_both\ntree:\n  chain:\n    policy: fastest\n    children:\n"
+        "      - leaf: {name: told, connector: PrefixStoreConnector, module_path: "
+        "kvcompose.stores, extra_config: {path: /tmp/x}, expect_read: {latency_ms: 2, gbps: 3}}\n"
+        "      - leaf: {name: cold, connector: PrefixStoreConnector, module_path: "
+        "kvcompose.stores, extra_config: {path: /tmp/y}}\n"
+        "      - leaf: {name: whole, connector: MooncakeStoreConnector}\n"
+    )
+    code, out, err = run_cli("explain", "--offline", str(path))
+    assert code == 0, err
+    flat = " ".join(out.replace("│", " ").split())  # rich wraps long lines in the tree
+    told, cold, whole = flat.split("load cost until measured: ")[1:]
+    assert told.startswith("2 ms + bytes at 3 GB/s (expect_read; replaced by its timed loads)")
+    assert cold.startswith(
+        "1 ms + bytes at 1 GB/s (the default, a guess: one load at a time, probed with 128 "
+        "tokens, then with the shortest load its first time says pays (at most 512), until 2 "
+        "loads are timed or one already beats computing; replaced by its timed loads)"
+    )
+    assert whole.startswith(
+        "1 ms + bytes at 1 GB/s (the default, a guess: one load at a time, until 2 loads are "
+        "timed or one already beats computing; replaced by its timed loads)"
+    )
+
+
 def test_explain_the_stitch_example(run_cli) -> None:
     code, out, err = run_cli("explain", "--offline", str(EXAMPLES / "stitch-tiers.yaml"))
     assert code == 0, err
