@@ -131,8 +131,10 @@ class Planner:
             (s.mode, s.mode in _LAST, math.lcm(s.align or block_size, block_size), s.can_cut)
             for s in self.supports
         )
-        #: the children's units: a hit ending on every one of them is never cut for another
-        self.units = tuple(sorted({unit for _, _, unit, _ in self.static}))
+        #: the children's units' least common multiple: a hit ending on it ends on every unit,
+        #: so it is never cut for another child (one ``%`` where a loop over the units took a
+        #: generator a lookup)
+        self.units_lcm = math.lcm(*{unit for _, _, unit, _ in self.static})
 
     def choose(
         self,
@@ -210,7 +212,7 @@ class Planner:
             _, last, unit, can_cut = static[child]
             if local % unit:
                 continue
-            if can_cut and end < longest and any(end % u for u in self.units):
+            if can_cut and end < longest and end % self.units_lcm:
                 return None  # it may be cut for another child: the walk weighs those ends
             load = loads[child]
             # the walk's sums to the bit: it adds this load to 0.0 and the (0.0) waits, which
