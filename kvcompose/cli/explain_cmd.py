@@ -10,7 +10,7 @@ from rich.tree import Tree
 
 from kvcompose.cli.common import FILE_HELP, add_load_flags, console, load
 from kvcompose.cli.explain_tiers import tier_lines
-from kvcompose.composite.costs import PROBE_TOKENS, PROBES
+from kvcompose.composite.costs import PROBE_GROWTH, PROBE_TOKENS, PROBES
 from kvcompose.config import Config, effective_saves, known
 from kvcompose.config.compile import PARAMS_PRODUCERS
 from kvcompose.config.render import MODULE_PATH, composite_class
@@ -107,7 +107,7 @@ def _cold(can_cut: bool) -> str:
     (``Costs.cold``, ``Costs.usable``, ``Costs.probe_tokens``)."""
     probes = (
         f", probed with {PROBE_TOKENS} tokens, then with the shortest load its first time says "
-        f"pays (at most {4 * PROBE_TOKENS})"
+        f"pays (at most {PROBE_GROWTH * PROBE_TOKENS})"
         if can_cut
         else ""
     )

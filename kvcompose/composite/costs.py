@@ -53,8 +53,11 @@ FALLBACK_BYTES_PER_TOKEN = 32 * 1024
 #: A cold child's loads are probes until this many are timed: two sizes fit a line.
 PROBES = 2
 #: A cold child's first probe (tokens); the next one is the shortest load longer than the
-#: last at which the child's line beats computing, at most 4x this (``Costs.probe_tokens``).
+#: last at which the child's line beats computing, at most ``PROBE_GROWTH`` times this
+#: (``Costs.probe_tokens``).
 PROBE_TOKENS = 128
+#: How much longer than the one before a cold child's next probe may be.
+PROBE_GROWTH = 4
 #: A ``LoadCost``'s line: setting either tells its ``Costs`` (``Costs._lines_changed``).
 _LINE = frozenset(("latency_s", "tokens_per_s"))
 
@@ -270,7 +273,8 @@ class Costs:
         """The most a cold child's next load may take (where it can be cut); None if warm.
 
         The first probe: ``PROBE_TOKENS``. A later one: the shortest load longer than the last
-        timed one at which the child's line beats computing, at most ``4 * PROBE_TOKENS``.
+        timed one at which the child's line beats computing, at most ``PROBE_GROWTH`` times the
+        first.
         One time cannot tell latency from rate, and the line it fitted reads it as latency
         (``LoadCost.observe``): if that is right, any load beyond the break-even pays, and
         the shortest one already fits the line with a second size; if the time was rate
@@ -284,7 +288,7 @@ class Costs:
         load = self.loads[child]
         if not load.measured:
             return PROBE_TOKENS
-        cap = PROBE_TOKENS * 4**load.measured
+        cap = PROBE_TOKENS * PROBE_GROWTH**load.measured
         prefill, rate = self.prefill_tokens_per_s, load.tokens_per_s
         if not rate > prefill > 0 or load.latency_s < 0:
             return cap  # its line never beats computing: the probe is not bought anyway
