@@ -343,17 +343,46 @@ def test_prefill_killed_before_the_decode_is_retried_on_the_other(servers):
 
 
 class _Chunks(httpx.AsyncByteStream):
-    """A response body that calls ``after`` with each chunk once it was handed on, and
-    ``at_end`` once the last one was."""
+    """A response body that calls ``at_end`` once its last chunk was handed on."""
 
-    def __init__(self, inner: Any, after: Any, at_end: Any) -> None:
-        self.inner, self.after, self.at_end = inner, after, at_end
+    def __init__(self, inner: Any, at_end: Callable[[], None]) -> None:
+        self.inner, self.at_end = inner, at_end
 
     async def __aiter__(self) -> Any:
         async for chunk in self.inner:
             yield chunk
-            self.after(chunk)
         self.at_end()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _BreaksAfterFirstToken(httpx.AsyncByteStream):
+    """A streamed body handed on up to the end of its first event with token ids; then
+    ``kill`` runs and the body breaks off there, as httpx reports a server that died
+    mid-body. What the server had written past that event is dropped with it: killed
+    only once the proxy had read that event, D had in a loaded CI run (2026-12-03) already
+    written its whole stream into the socket, so the proxy read it all and nothing was
+    retried."""
+
+    def __init__(self, inner: Any, kill: Callable[[], None]) -> None:
+        self.inner, self.kill = inner, kill
+
+    async def __aiter__(self) -> Any:
+        held = b""
+        async for chunk in self.inner:
+            held += chunk
+            token = held.find(b"token_ids")
+            end = held.find(b"\n\n", token) if token >= 0 else -1
+            if end < 0:
+                continue  # that event is not whole yet
+            yield held[: end + 2]
+            self.kill()
+            raise httpx.RemoteProtocolError(
+                "peer closed connection without sending complete message body (killed)"
+            )
+        if held:
+            yield held
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -369,11 +398,12 @@ def _completion(request: httpx.Request) -> bool:
 
 class _Kill(httpx.AsyncBaseTransport):
     """The proxy's transport, which SIGKILLs ``server`` while the proxy reads the first of
-    that server's responses ``when`` selects: ``at="first_token"`` once the proxy has read
-    its first chunk with token ids (D dies mid-stream, whatever the test's client has read
-    by then: killed from the client instead, D once sent all it had to the proxy before the
-    client saw its first token, so no retry was needed), ``at="end"`` once the proxy has read
-    it whole (P dies between its answer and the hand-off to D)."""
+    that server's responses ``when`` selects: ``at="first_token"`` right after the first
+    event with token ids, the body breaking off there (D dies mid-stream, whatever the
+    test's client has read by then: killed from the client instead, D once sent all it had
+    to the proxy before the client saw its first token, so no retry was needed),
+    ``at="end"`` once the proxy has read it whole (P dies between its answer and the
+    hand-off to D)."""
 
     def __init__(
         self, server: VLLMServer, *, when: Callable[[httpx.Request], bool], at: str
@@ -387,20 +417,17 @@ class _Kill(httpx.AsyncBaseTransport):
         response = await self.inner.handle_async_request(request)
         if self.killed or request.url.port != self.server.port or not self.when(request):
             return response
+        stream = (
+            _BreaksAfterFirstToken(response.stream, self._kill)
+            if self.at == "first_token"
+            else _Chunks(response.stream, self._kill)
+        )
         return httpx.Response(
             response.status_code,
             headers=response.headers,
-            stream=_Chunks(response.stream, self._after_chunk, self._at_end),
+            stream=stream,
             extensions=response.extensions,
         )
-
-    def _after_chunk(self, chunk: bytes) -> None:
-        if self.at == "first_token" and b"token_ids" in chunk:
-            self._kill()
-
-    def _at_end(self) -> None:
-        if self.at == "end":
-            self._kill()
 
     def _kill(self) -> None:
         if not self.killed:
