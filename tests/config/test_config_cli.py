@@ -409,16 +409,25 @@ def test_standard_input(run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
     assert (code, err) == (1, "<stdin>: this config does not come from a file: print it inline\n")
 
 
-def test_explain_shows_each_stitch_childs_range_mode(run_cli, tmp_path: Path) -> None:
+def _chain_file(tmp_path: Path, policy: str, *leaves: str) -> Path:
+    """A config file of one chain under ``policy`` over ``leaves`` (flow-style mappings)."""
     path = tmp_path / "t.yaml"
     path.write_text(
-        "kv_role: kv_both\ntree:\n  chain:\n    policy: stitch\n    children:\n"
-        "      - leaf: {name: ram, connector: PrefixStoreConnector, module_path: kvcompose.stores,"
-        " extra_config: {path: /tmp/x}}\n"
-        "      - leaf: {name: whole, connector: ExampleConnector}\n"
-        "      - leaf: {name: mine, connector: MyStore, load_range: native,"
-        " load_range_alignment: 64}\n"
-        "      - leaf: {name: nixl, connector: NixlConnector}\n"
+        f"kv_role: kv_both\ntree:\n  chain:\n    policy: {policy}\n    children:\n"
+        + "".join(f"      - leaf: {leaf}\n" for leaf in leaves)
+    )
+    return path
+
+
+def test_explain_shows_each_stitch_childs_range_mode(run_cli, tmp_path: Path) -> None:
+    path = _chain_file(
+        tmp_path,
+        "stitch",
+        "{name: ram, connector: PrefixStoreConnector, module_path: kvcompose.stores,"
+        " extra_config: {path: /tmp/x}}",
+        "{name: whole, connector: ExampleConnector}",
+        "{name: mine, connector: MyStore, load_range: native, load_range_alignment: 64}",
+        "{name: nixl, connector: NixlConnector}",
     )
     code, out, err = run_cli("explain", "--offline", str(path))
     assert code == 0, err
@@ -433,14 +442,14 @@ def test_explain_shows_how_fastest_treats_each_childs_speed(run_cli, tmp_path: P
     """A child with ``expect_read`` is trusted at once; one without is cold: one load at a
     time, probed with short loads where it can be cut (``Costs.probe_tokens``), not where it
     cannot (a Mooncake store's load is what it offered)."""
-    path = tmp_path / "t.yaml"
-    path.write_text(
-        "kv_role: kv_both\ntree:\n  chain:\n    policy: fastest\n    children:\n"
-        "      - leaf: {name: told, connector: PrefixStoreConnector, module_path: "
-        "kvcompose.stores, extra_config: {path: /tmp/x}, expect_read: {latency_ms: 2, gbps: 3}}\n"
-        "      - leaf: {name: cold, connector: PrefixStoreConnector, module_path: "
-        "kvcompose.stores, extra_config: {path: /tmp/y}}\n"
-        "      - leaf: {name: whole, connector: MooncakeStoreConnector}\n"
+    path = _chain_file(
+        tmp_path,
+        "fastest",
+        "{name: told, connector: PrefixStoreConnector, module_path: kvcompose.stores,"
+        " extra_config: {path: /tmp/x}, expect_read: {latency_ms: 2, gbps: 3}}",
+        "{name: cold, connector: PrefixStoreConnector, module_path: kvcompose.stores,"
+        " extra_config: {path: /tmp/y}}",
+        "{name: whole, connector: MooncakeStoreConnector}",
     )
     code, out, err = run_cli("explain", "--offline", str(path))
     assert code == 0, err
