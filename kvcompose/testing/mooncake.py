@@ -334,15 +334,17 @@ class MooncakeCluster:
 
     # ------------------------------------------------------------------ the store
 
+    def _admin_url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.admin_port}/{path}"
+
     def _admin(self, path: str, timeout: float = 5.0) -> str:
-        url = f"http://127.0.0.1:{self.admin_port}/{path}"
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(self._admin_url(path), timeout=timeout) as r:
             return r.read().decode()
 
     @property
     def keys_url(self) -> str:
         """The master's key listing (its admin ``/get_all_keys``: one key a line)."""
-        return f"http://127.0.0.1:{self.admin_port}/get_all_keys"
+        return self._admin_url("get_all_keys")
 
     def keys(self) -> list[str]:
         """Every key the master holds (its admin ``/get_all_keys``)."""

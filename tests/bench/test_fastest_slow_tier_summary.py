@@ -7,19 +7,14 @@ from __future__ import annotations
 import csv
 import importlib
 import shutil
-import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 RUN = BENCH / "results" / "fastest_slow_tier" / "four-rounds-623ffaf"
 
 
-def test_summary_of_a_run_of_some_contenders(tmp_path: Path) -> None:
-    sys.path.insert(0, str(BENCH))  # the benchmarks import each other
-    try:
-        slow_tier = importlib.import_module("fastest_slow_tier")
-    finally:
-        sys.path.remove(str(BENCH))
+def test_summary_of_a_run_of_some_contenders(benchmarks_on_path: Path, tmp_path: Path) -> None:
+    slow_tier = importlib.import_module("fastest_slow_tier")
     shutil.copy(RUN / "results.json", tmp_path / "results.json")
     fields = ["contender", "id", "seed", "round", "cached_tokens", "ttft_s"]
     with (tmp_path / "requests.csv").open("w", newline="") as fh:

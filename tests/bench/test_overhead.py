@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +12,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-@pytest.fixture(autouse=True)
-def benchmarks_importable() -> Iterator[None]:
-    """``benchmarks/`` on ``sys.path``, as when its scripts run: the benchmark imports as
-    ``overhead``, and vLLM imports ``FloorConnector`` by its module path ``overhead.floor``."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield
-    finally:
-        sys.path.remove(str(BENCH))
+pytestmark = pytest.mark.usefixtures("benchmarks_on_path")  # imported as ``overhead``
 
 
 def test_overhead_benchmark_runs_every_configuration(tiny_model: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -17,17 +16,12 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 RESULTS = BENCH / "results"
 
 
-def _bench_module(name: str) -> ModuleType:
-    sys.path.insert(0, str(BENCH))  # the benchmarks import each other
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCH))
+pytestmark = pytest.mark.usefixtures("benchmarks_on_path")
 
 
 @pytest.fixture(scope="module")
-def sim() -> ModuleType:
-    return _bench_module("tier_sim")
+def sim(benchmarks_on_path: Path) -> ModuleType:
+    return importlib.import_module("tier_sim")
 
 
 @pytest.mark.parametrize(
@@ -44,7 +38,7 @@ def test_reproduces_the_engine_runs(sim: ModuleType, sample_dir: str, results: s
     trace = Path(json.loads((directory / "sample.json").read_text())["trace"])
     if not trace.exists():
         pytest.skip(f"{trace} is not on this machine")
-    rows = _bench_module("tier_sweep").compare(directory, directory / results)
+    rows = importlib.import_module("tier_sweep").compare(directory, directory / results)
     assert len(rows) >= 2
     for row in rows:
         for tier in ("fast", "slow"):
