@@ -3,8 +3,10 @@
     flock /tmp/kvcompose-engine.lock .venv/bin/python benchmarks/fastest_slow_tier.py [bench flags]
 
 The default chat workload's two tiers, with the disk tier's reads **emulated** as a tier slower
-than this CPU's prefill (``emulate_read: {latency_ms: 20, gbps: 0.03}``; about 50 MB/s of KV
-is what the engine computes here). Contenders, in rotated rounds:
+than the CPU's prefill (``emulate_read: {latency_ms: 20, gbps: 0.03}``; the machine these
+results were first measured on computed 1,500-2,000 tokens/s, some 50-65 MB/s of KV; on one
+that computes about 1,000 tokens/s the tier is about at par with computing, and the plans
+lie closer together: benchmarks/README.md). Contenders, in rotated rounds:
 
 - ``recompute``; the disk tier alone; chain ``longest`` and ``stitch`` over [fast, disk];
 - the fast tier alone (the shared system prompts loaded, the rest recomputed): the best
