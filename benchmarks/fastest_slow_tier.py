@@ -23,7 +23,8 @@ lie closer together: benchmarks/README.md). Contenders, in rotated rounds:
   their probes'.
 
 Per round, each contender's TTFT p50 and p90 are paired with the best fixed plan's and
-recompute's of the same round, and every request of recompute, fast-only and the ``fastest``
+recompute's of the same round, the cold contenders' p50 also with the control's (what their
+probes cost: ``control_lines``), and every request of recompute, fast-only and the ``fastest``
 contenders is listed with its TTFT and tokens loaded (``results/fastest_slow_tier/summary.md``).
 ``--summary-only`` rewrites ``summary.md`` from the run already in the results directory.
 
@@ -52,6 +53,9 @@ FIXED = ("recompute", "disk", "longest", "stitch", "fast-only")
 #: ``fastest`` with no prior, with the fast tier's speed stated (the disk tier cold), and with
 #: both tiers' speeds stated (nothing probed)
 CHOSEN = ("fastest", "fastest-fast-told", "fastest-told")
+#: The control: both speeds stated, so nothing is probed and every request takes the fast tier
+#: alone's plan; the cold contenders take it too once their probes are done.
+CONTROL = "fastest-told"
 
 
 def summary(
@@ -106,6 +110,30 @@ def summary(
                 + ", ".join(f"{r:.2f}" for r in paired.ratios)
             )
     return lines
+
+
+def control_lines(results: dict) -> list[str]:
+    """The cold contenders' TTFT p50 paired by round with the control's (``CONTROL``): what
+    their probes cost. The control runs the same chain and differs only in what it was told,
+    so a machine whose speed drifts over a run moves it with them; the fast tier alone, a
+    different configuration run at another point of each round, drifted up to 21 % from it
+    in one run (benchmarks/README.md, "On a slower machine")."""
+    by_label = {c["label"]: c for c in results["contenders"]}
+    control = by_label.get(CONTROL)
+    if control is None or control["status"] != "ok":
+        return []
+    lines = [""]
+    for name in CHOSEN:
+        mine = by_label.get(name)
+        if name == CONTROL or mine is None or mine["status"] != "ok":
+            continue
+        paired = paired_ratios(mine["ttft_p50_rounds"], control["ttft_p50_rounds"])
+        lines.append(
+            f"- {name} / {CONTROL} (the control), TTFT p50 paired by round: "
+            + ", ".join(f"{r:.2f}" for r in paired.ratios)
+            + f" (median {paired.median:.2f})"
+        )
+    return lines if len(lines) > 1 else []
 
 
 def tail_lines(requests_csv: Path, pct: float = 99) -> list[str]:
@@ -178,7 +206,8 @@ def write_summary(out: Path, saturation: bool) -> str | None:
             "The disk tier's reads are EMULATED (20 ms + bytes at 0.03 GB/s per load); the "
             "fast tier is tmpfs. Tokens are per replay (mean over rounds).",
             "",
-            *summary(json.loads(results.read_text()), chosen=CHOSEN),
+            *summary(run := json.loads(results.read_text()), chosen=CHOSEN),
+            *control_lines(run),
             *(tail_lines(requests) if saturation else []),
             *(
                 request_lines(requests, ("recompute", "fast-only", *CHOSEN))

@@ -1,6 +1,7 @@
 """``benchmarks/fastest_slow_tier.py``'s summary: from a committed run's ``results.json`` it
-gives the ratios its README section quotes, leaves out the contenders a run did not have, and
-lists every request of the ``fastest`` contenders from the (uncommitted) ``requests.csv``."""
+gives the ratios its README section quotes and the cold contenders' against the control's,
+leaves out the contenders a run did not have, and lists every request of the ``fastest``
+contenders from the (uncommitted) ``requests.csv``."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def test_summary_of_a_run_of_some_contenders(benchmarks_on_path: Path, tmp_path:
     # the ratios benchmarks/README.md quotes for this run
     assert "- fastest / fast-only, TTFT p50 paired by round: 1.06, 1.10, 1.06" in text
     assert "- fastest-told / fast-only, TTFT p50 paired by round: 0.96, 1.20, 1.87" in text
+    # the cold contenders against the control (nothing probed, the same plans otherwise)
+    control = "(the control), TTFT p50 paired by round:"
+    assert f"- fastest / fastest-told {control} 1.10, 0.92, 0.57 (median 0.92)" in text
+    assert f"- fastest-fast-told / fastest-told {control} 1.07, 1.00, 0.59" in text
+    assert f"- fastest-told / fastest-told {control}" not in text
     # disk, longest and stitch were not run: no row, no pairing
     assert "None" not in text and "| disk |" not in text and "/ stitch" not in text
     assert "| fastest | 0/0 | 847 (256) | 822 (896) |" in text.splitlines()
