@@ -337,7 +337,8 @@ class Costs:
 
     def forget(self, req_id: str, *, in_flight_only: bool = False) -> None:
         """The request's loads will not be timed (a 0 grant; a finish before an async load's
-        receive: a sync load's time still comes with its step's output). Only the children
+        receive, or a receive that came without a time: the load failed; a sync load's time
+        still comes with its step's output). Only the children
         with loads awaiting their time are looked at (every lookup and finish calls this)."""
         if any(self._async_given):  # (the common finish: no async load awaits a time)
             for waiting in self._async_given:

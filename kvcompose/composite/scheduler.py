@@ -274,6 +274,14 @@ class CompositeScheduler(SchedulerForwarding):
             if isinstance(meta, ComposedWorkerMeta) and meta.load_seconds:
                 self._timed(meta.load_seconds)
         self._outputs.route(connector_output)
+        if self.costs is not None and connector_output.finished_recving:
+            # A receive vLLM sees (``route`` took out those held for a recovery round) ends
+            # the request's async loads: their times came with it or before (the worker
+            # ships a time in the step of its receive), so one not timed by now failed and
+            # never will be. Awaiting it would keep a cold child from every other request
+            # until this one finishes (``Costs.usable``).
+            for req_id in connector_output.finished_recving:
+                self.costs.forget(req_id, in_flight_only=True)
 
     def _timed(self, load_seconds: dict[tuple[str, int], float]) -> None:
         """Loads the worker half timed: fitted into their children's estimates, counted as

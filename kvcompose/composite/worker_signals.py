@@ -135,8 +135,8 @@ class WorkerSignals:
             for req_id in result.finished_recving | result.failed_recving:
                 failed = req_id in result.failed_recving
                 if self.stitches.receive(child, req_id, failed):
-                    if self.timer is not None and not failed:
-                        self.timer.received(req_id, child)
+                    if self.timer is not None:
+                        self.timer.received(req_id, child, failed=failed)
                     continue
                 owner = self._recv_owner.get(req_id)
                 if self.fences and self.fences.receive(child, req_id, owner):
@@ -152,8 +152,8 @@ class WorkerSignals:
                 out.finished_recving.add(req_id)
                 if failed:
                     out.failed_recving.add(req_id)
-                elif self.timer is not None:
-                    self.timer.received(req_id, child)
+                if self.timer is not None:
+                    self.timer.received(req_id, child, failed=failed)
             for req_id in result.finished_sending:
                 waiting = self._send_waiting.get(req_id)
                 if waiting is None or child not in waiting:

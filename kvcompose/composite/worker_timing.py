@@ -9,7 +9,8 @@ The times go to the scheduler half in ``ComposedWorkerMeta.load_seconds`` (vLLM 
 the ranks' worker metadata: the slowest rank's time counts), where each fits its child's
 estimate (``kvcompose.composite.costs``). Per request::
 
-    (none) ── metadata: a load ──▶ STARTED ── its receive ──▶ (none; its time shipped)
+    (none) ── metadata: a load ──▶ STARTED ── its receive ──▶ (none; its time shipped,
+                                      │                          unless the load failed)
                                       └────── request freed ─▶ (none)
 """
 
@@ -53,9 +54,11 @@ class LoadTimer:
     def add_sync(self, child: int, seconds: float) -> None:
         self._sync_s[child] = self._sync_s.get(child, 0.0) + seconds
 
-    def received(self, req_id: str, child: int) -> None:
+    def received(self, req_id: str, child: int, *, failed: bool = False) -> None:
+        """The load's receive: its time is taken, unless it failed (it says nothing of the
+        child's speed)."""
         started = self._started.pop((req_id, child), None)
-        if started is not None:
+        if started is not None and not failed:
             self._took[(req_id, child)] = self.clock() - started
 
     def forget(self, req_ids: Iterable[str]) -> None:

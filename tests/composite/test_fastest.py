@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from stitch_helpers import allocs, lookups_at, native
+from stitch_helpers import allocs, lookups_at, native, receives
 
 from kvcompose.composite.metadata import ComposedWorkerMeta
 from kvcompose.testing.scripted import Behaviour, script
@@ -303,4 +303,39 @@ def test_a_cold_child_is_probed_in_a_stitch_then_stitched_whole(harness):
     assert lookups_at(shared, second.request_id)[-1] == 160
     assert counters(h)["plans.stitch"] == 2
     assert not costs.expected  # every load was timed
+    h.assert_clean()
+
+
+def test_a_cold_childs_failed_probe_does_not_close_it_to_the_next_request(harness):
+    """b (warm, sync) holds every prompt's first 48 tokens, a (cold, async) its first 160: the
+    plan is ``b[0,48) + a[48,160)``, a's segment a probe. r1's fails; no other child holds
+    those tokens, so the node gives them up and vLLM recomputes them: r1 goes on, decoding,
+    without a new lookup. A failed load is never timed, so its wait ends with the stitch's
+    receive, and r2, looked up while r1 still runs, is probed from a. Awaiting r1's time
+    until r1 finished kept a closed to every other request (a cold child takes one load at
+    a time): r2 loaded b's 48 tokens alone."""
+    a = script(
+        "a",
+        Behaviour(tokens=160, is_async=True),
+        r1=Behaviour(tokens=160, is_async=True, load="fail"),
+    )
+    b = script("b", Behaviour(tokens=48))
+    h = harness(
+        fastest(native("b", expect_read=FAST), native("a")), kv_load_failure_policy="recompute"
+    )
+    frozen(h)
+    costs = h.connector.scheduler_side.costs
+    h.add_request(prompt(200, 60), max_tokens=20, request_id="r1")
+    for _ in range(6):
+        h.step()
+    assert allocs(b, "r1")[0] == 48 and allocs(a, "r1")[0] == 112  # a probe of 112 tokens
+    assert receives(h, "r1") == 1 and counters(h)["lookups"] == 1  # failed, not looked up again
+    assert not h.requests["r1"].is_finished() and costs.cold(1)
+    assert not costs.expected  # the failed load awaits no time
+    h.add_request(prompt(200, 61), max_tokens=1, request_id="r2")
+    h.step()
+    assert allocs(a, "r2")[:1] == [112]  # a is probed again, while r1 still runs
+    assert not h.requests["r1"].is_finished()
+    h.run_until_idle()
+    assert costs.loads[1].measured == 1 and not costs.expected
     h.assert_clean()
