@@ -108,7 +108,10 @@ class Checks:
         stitched segment's (the node reloads or gives up that range) and a late report of a
         load the node already failed for that leaf's raise (fenced: vLLM has freed or cut
         back those blocks);
-    11. no leaf is allocated more tokens than its lookup answered.
+    11. no leaf is allocated more tokens than its lookup answered;
+    12. ``fastest``: no node awaits the time of an async load of a request that finished, or
+        whose receive vLLM saw (a load not timed by its receive failed and never will be; a
+        cold child awaiting it takes no other request's load).
     """
 
     h: Any
@@ -380,7 +383,7 @@ class Checks:
                 f"{rid}: kv_transfer_params {info.kv_transfer_params} != merged {expected}",
             )
         self.check_requests()
-        self.check_tables()
+        self.check_tables(frozenset(recving))
 
     def expect_worker_raise_failures(self, reports: dict[str, set[tuple[str, bool]]]) -> None:
         """A child's contained worker-side raise while loading fails its async loads in flight
@@ -463,13 +466,23 @@ class Checks:
                     f"{rid}: blocks freed while {sorted(self.loads[rid])} still load into them",
                 )
 
-    def check_tables(self) -> None:
-        """(5) ledgers hold no finished request; (6) violations / errors."""
+    def check_tables(self, received: frozenset[str] = frozenset()) -> None:
+        """(5) ledgers hold no finished request; (6) violations / errors; (12) no load time
+        awaited for a finished request or one whose receive vLLM saw (``received``, this
+        step's)."""
         clean = self.gen is not None and not self.gen.breakers
         live = {rid for rid, req in self.h.requests.items() if not req.is_finished()}
         for node in composites(self.h.connector):
             stray = set(node.ledger.snapshot()) - live
             check(not stray, f"node {node.name}: ledger holds finished requests {sorted(stray)}")
+            costs = node.scheduler_side.costs
+            if costs is not None:
+                waiting = {rid for (rid, _), e in costs.expected.items() if e.is_async}
+                stale = waiting - (live - received)
+                check(
+                    not stale,
+                    f"node {node.name}: awaits load times of {sorted(stale)}, finished or received",
+                )
         if clean:
             live = self.h.worker_connector.signals.live()
             in_flight = set(live.get("loads_in_flight", {})) | set(

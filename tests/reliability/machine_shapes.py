@@ -84,6 +84,25 @@ def _fastest(t: float) -> dict[str, Any]:
     return {**tree, "expect_prefill_tokens_per_s": 1000.0}
 
 
+def _fastest_cold(t: float) -> dict[str, Any]:
+    """root = chain[fastest](a native, of a fast prior; b native and d sole owner, both cold;
+    c native, of a slow prior): a cold child takes one load at a time until a load is timed
+    (the frozen clock times them at 0 s, which beats computing: one probe ends the probing),
+    and the other requests plan without it meanwhile, so a load whose time never comes (a
+    failed one, an abort) must stop being awaited."""
+    native = {"load_range": "native"}
+    tree = chain(
+        "root",
+        _leaf("a", expect_read={"latency_ms": 0.0, "gbps": 100.0}, **native),
+        _leaf("b", **native),
+        _leaf("c", expect_read={"latency_ms": 80.0, "gbps": 0.001}, **native),
+        _leaf("d"),
+        policy="fastest",
+        lookup_timeout_s=t,
+    )
+    return {**tree, "expect_prefill_tokens_per_s": 1000.0}
+
+
 def _route(t: float) -> dict[str, Any]:
     return {
         "kind": "route",
@@ -130,6 +149,7 @@ SHAPES: dict[str, Shape] = {
         Shape("chain-stitch", ("a", "b", "c", "d"), _stitch, aligned=True),
         Shape("stitch-nested", ("fast", "slow1", "slow2", "disk"), _stitch_nested, aligned=True),
         Shape("chain-fastest", ("a", "b", "c", "d"), _fastest, aligned=True),
+        Shape("chain-fastest-cold", ("a", "b", "c", "d"), _fastest_cold, aligned=True),
     )
 }
 

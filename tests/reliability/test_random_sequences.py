@@ -1,8 +1,9 @@
 """Randomized sequences on vLLM's real scheduler (see ``kv_machine.KVComposeMachine``).
 
 One test per tree shape: a 2-child chain (``first`` and ``longest``), a route, a fan-out, a
-2-level nested tree, and two ``stitch`` chains (four leaves, one a sole owner; and one with a
-nested chain as a sole-owner child). ``test_random_sequences`` runs the ``ci`` profile and
+2-level nested tree, two ``stitch`` chains (four leaves, one a sole owner; and one with a
+nested chain as a sole-owner child) and two ``fastest`` chains (four leaves of known priors;
+and two of them cold). ``test_random_sequences`` runs the ``ci`` profile and
 is part of every run; ``test_random_sequences_long`` runs the ``long`` profile and only when
 ``HYPOTHESIS_PROFILE=long`` (it is marked ``slow``).
 """
