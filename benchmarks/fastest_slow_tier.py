@@ -97,12 +97,7 @@ def summary(
             other = by_label.get(label)
             if other is None or other["status"] != "ok":
                 continue
-            paired = paired_ratios(mine["ttft_p50_rounds"], other["ttft_p50_rounds"])
-            lines.append(
-                f"- {name} / {label}, TTFT p50 paired by round: "
-                + ", ".join(f"{r:.2f}" for r in paired.ratios)
-                + f" (median {paired.median:.2f})"
-            )
+            lines.append(_p50_line(f"{name} / {label}", mine, other))
         if recompute and recompute["status"] == "ok" and "ttft_p90_rounds" in mine:
             paired = paired_ratios(mine["ttft_p90_rounds"], recompute["ttft_p90_rounds"])
             lines.append(
@@ -112,12 +107,21 @@ def summary(
     return lines
 
 
+def _p50_line(pair: str, mine: dict, other: dict) -> str:
+    """``- A / B, TTFT p50 paired by round: ...`` for contenders ``mine`` and ``other``."""
+    paired = paired_ratios(mine["ttft_p50_rounds"], other["ttft_p50_rounds"])
+    ratios = ", ".join(f"{r:.2f}" for r in paired.ratios)
+    return f"- {pair}, TTFT p50 paired by round: {ratios} (median {paired.median:.2f})"
+
+
 def control_lines(results: dict) -> list[str]:
     """The cold contenders' TTFT p50 paired by round with the control's (``CONTROL``): what
     their probes cost. The control runs the same chain and differs only in what it was told,
-    so a machine whose speed drifts over a run moves it with them; the fast tier alone, a
-    different configuration run at another point of each round, drifted up to 21 % from it
-    in one run (benchmarks/README.md, "On a slower machine")."""
+    so the pairing leaves out the chain's own work (the disk tier's writes, the lookups),
+    which the pairing with the fast tier alone counts. Like every pairing here it also holds
+    whatever the machine's speed did between the two contenders' turns in a round: with the
+    same plan, the fast tier alone measured up to 21 % slower than the control in one run and
+    within 3 % of it alone (benchmarks/README.md, "On a slower machine")."""
     by_label = {c["label"]: c for c in results["contenders"]}
     control = by_label.get(CONTROL)
     if control is None or control["status"] != "ok":
@@ -127,12 +131,7 @@ def control_lines(results: dict) -> list[str]:
         mine = by_label.get(name)
         if name == CONTROL or mine is None or mine["status"] != "ok":
             continue
-        paired = paired_ratios(mine["ttft_p50_rounds"], control["ttft_p50_rounds"])
-        lines.append(
-            f"- {name} / {CONTROL} (the control), TTFT p50 paired by round: "
-            + ", ".join(f"{r:.2f}" for r in paired.ratios)
-            + f" (median {paired.median:.2f})"
-        )
+        lines.append(_p50_line(f"{name} / {CONTROL} (the control)", mine, control))
     return lines if len(lines) > 1 else []
 
 
