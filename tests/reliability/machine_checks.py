@@ -244,7 +244,10 @@ class Checks:
             for rid in rids:
                 if self.hidden_load_error(name, rid):
                     continue  # as a hidden bad report: the node reloads or gives up
-                if rid in self.loads:  # checked when received
+                if name in self.loads.get(rid, ()):  # its async load: checked when received
+                    # (not another leaf's: under async scheduling a request preempted after its
+                    # sync load's batch was scheduled can be looked up again, and load async
+                    # from another leaf, before that batch's output comes back)
                     self.lost_bad.setdefault(rid, set()).update(bad)
                 elif not s.behaviour(rid).is_async:
                     sync_lost.update(bad)
