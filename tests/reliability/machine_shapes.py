@@ -67,40 +67,30 @@ def _stitch_nested(t: float) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def _fastest(t: float) -> dict[str, Any]:
-    """root = chain[fastest](a, b, c native, of different priors; d sole owner): plans of every
-    kind (recompute, one load, stitches with a cut) until the timed loads and steps move the
-    estimates."""
+def _fastest(b_prior: dict[str, float] | None) -> Callable[[float], dict[str, Any]]:
+    """root = chain[fastest](a native, of a fast prior; b native, of ``b_prior`` or none;
+    c native, of a slow prior; d sole owner, cold): plans of every kind (recompute, one load,
+    stitches with a cut) until the timed loads and steps move the estimates. A cold child
+    (d; b without a prior) takes one load at a time until a load is timed (the frozen clock
+    times them at 0 s, which beats computing: one probe ends the probing), and the other
+    requests plan without it meanwhile, so a load whose time never comes (a failed one, an
+    abort) must stop being awaited; b cold is one that can be cut, so it is probed short."""
     native = {"load_range": "native"}
-    tree = chain(
-        "root",
-        _leaf("a", expect_read={"latency_ms": 0.0, "gbps": 100.0}, **native),
-        _leaf("b", expect_read={"latency_ms": 30.0, "gbps": 1.0}, **native),
-        _leaf("c", expect_read={"latency_ms": 80.0, "gbps": 0.001}, **native),
-        _leaf("d"),
-        policy="fastest",
-        lookup_timeout_s=t,
-    )
-    return {**tree, "expect_prefill_tokens_per_s": 1000.0}
+    b = {"expect_read": b_prior} if b_prior else {}
 
+    def build(t: float) -> dict[str, Any]:
+        tree = chain(
+            "root",
+            _leaf("a", expect_read={"latency_ms": 0.0, "gbps": 100.0}, **native),
+            _leaf("b", **b, **native),
+            _leaf("c", expect_read={"latency_ms": 80.0, "gbps": 0.001}, **native),
+            _leaf("d"),
+            policy="fastest",
+            lookup_timeout_s=t,
+        )
+        return {**tree, "expect_prefill_tokens_per_s": 1000.0}
 
-def _fastest_cold(t: float) -> dict[str, Any]:
-    """root = chain[fastest](a native, of a fast prior; b native and d sole owner, both cold;
-    c native, of a slow prior): a cold child takes one load at a time until a load is timed
-    (the frozen clock times them at 0 s, which beats computing: one probe ends the probing),
-    and the other requests plan without it meanwhile, so a load whose time never comes (a
-    failed one, an abort) must stop being awaited."""
-    native = {"load_range": "native"}
-    tree = chain(
-        "root",
-        _leaf("a", expect_read={"latency_ms": 0.0, "gbps": 100.0}, **native),
-        _leaf("b", **native),
-        _leaf("c", expect_read={"latency_ms": 80.0, "gbps": 0.001}, **native),
-        _leaf("d"),
-        policy="fastest",
-        lookup_timeout_s=t,
-    )
-    return {**tree, "expect_prefill_tokens_per_s": 1000.0}
+    return build
 
 
 def _route(t: float) -> dict[str, Any]:
@@ -148,8 +138,13 @@ SHAPES: dict[str, Shape] = {
         Shape("nested", ("fast", "slow1", "slow2", "disk"), _nested, (None, {"fast": True})),
         Shape("chain-stitch", ("a", "b", "c", "d"), _stitch, aligned=True),
         Shape("stitch-nested", ("fast", "slow1", "slow2", "disk"), _stitch_nested, aligned=True),
-        Shape("chain-fastest", ("a", "b", "c", "d"), _fastest, aligned=True),
-        Shape("chain-fastest-cold", ("a", "b", "c", "d"), _fastest_cold, aligned=True),
+        Shape(
+            "chain-fastest",
+            ("a", "b", "c", "d"),
+            _fastest({"latency_ms": 30.0, "gbps": 1.0}),
+            aligned=True,
+        ),
+        Shape("chain-fastest-cold", ("a", "b", "c", "d"), _fastest(None), aligned=True),
     )
 }
 
