@@ -119,9 +119,9 @@ def control_lines(results: dict) -> list[str]:
     their probes cost. The control runs the same chain and differs only in what it was told,
     so the pairing leaves out the chain's own work (the disk tier's writes, the lookups),
     which the pairing with the fast tier alone counts. Like every pairing here it also holds
-    whatever the machine's speed did between the two contenders' turns in a round: with the
-    same plan, the fast tier alone measured up to 21 % slower than the control in one run and
-    within 3 % of it alone (benchmarks/README.md, "On a slower machine")."""
+    whatever the machine's speed did between the two contenders' turns in a round: runs of
+    the same plan differ by several per cent (benchmarks/README.md, "On a slower machine"
+    and "Five rounds")."""
     by_label = {c["label"]: c for c in results["contenders"]}
     control = by_label.get(CONTROL)
     if control is None or control["status"] != "ok":
