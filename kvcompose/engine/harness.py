@@ -126,6 +126,16 @@ class SchedulerHarness:
     ``num_blocks - 1`` are usable). vLLM requires one ``max_model_len`` request to fit, so
     ``max_model_len`` is lowered to ``(num_blocks - 1) * block_size`` when the pool is smaller.
     ``enable_prefix_caching=False`` turns the local prefix cache off (an extra keyword).
+
+    ``sliding_window=W`` makes the model hybrid for the scheduler: the even layers slide over
+    ``W`` tokens (a model whose config has ``layer_types`` and ``sliding_window`` is taken as
+    it says without it). With the hybrid KV cache manager on (a connector that supports
+    HMA, such as ``KVComposeHMA``) vLLM then forms two KV cache groups, a sliding-window group
+    and a full-attention group (``kv_cache_config.kv_cache_groups``), each with its own block
+    ids, the blocks before the window being the null block (id 0); with it off, one group.
+    Without it (the default) a full-attention model has one group, as before. The groups
+    share the pool, so it needs more blocks: vLLM refuses a pool that cannot hold one
+    ``max_model_len`` request in every group (256 blocks hold the defaults).
     """
 
     def __init__(
@@ -143,6 +153,7 @@ class SchedulerHarness:
         num_workers: int = 1,
         enable_prefix_caching: bool = True,
         layer_calls: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -163,7 +174,7 @@ class SchedulerHarness:
             enable_prefix_caching=enable_prefix_caching,
         )
         worker_kv_cache_config, self.kv_cache_config, sched_block_size, hash_block_size = (
-            make_kv_cache_configs(self.vllm_config, num_blocks)
+            make_kv_cache_configs(self.vllm_config, num_blocks, sliding_window)
         )
         self.block_size = sched_block_size
         self.vocab_size = self.vllm_config.model_config.get_vocab_size()

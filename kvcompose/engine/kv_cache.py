@@ -12,24 +12,40 @@ from pathlib import Path
 from typing import Any
 
 
-def make_kv_cache_configs(vllm_config: Any, num_blocks: int) -> tuple[Any, Any, int, int]:
+def make_kv_cache_configs(
+    vllm_config: Any, num_blocks: int, sliding_window: int | None = None
+) -> tuple[Any, Any, int, int]:
     """What EngineCore._initialize_kv_caches does, with per-layer specs made from the model
     config instead of a model: returns (worker config, scheduler config, scheduler block
-    size, hash block size)."""
+    size, hash block size).
+
+    The layers the model's config marks ``sliding_attention`` (``layer_types``, as vLLM's
+    Llama reads it) get a ``SlidingWindowSpec`` over its ``sliding_window``; with
+    ``sliding_window`` given, the even layers slide over that many tokens whatever the model
+    says. With the hybrid KV cache manager on, vLLM then forms a sliding-window group and a
+    full-attention group; with it off, ``get_kv_cache_configs`` makes the sliding layers full
+    attention (one group), as for a real hybrid model."""
     import vllm.v1.core.kv_cache_utils as kcu
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     parallel_config = vllm_config.parallel_config
-    spec = FullAttentionSpec(
-        block_size=cache_config.block_size,
-        num_kv_heads=model_config.get_num_kv_heads(parallel_config),
-        head_size=model_config.get_head_size(),
-        dtype=model_config.dtype,
-    )
+    shape = {
+        "block_size": cache_config.block_size,
+        "num_kv_heads": model_config.get_num_kv_heads(parallel_config),
+        "head_size": model_config.get_head_size(),
+        "dtype": model_config.dtype,
+    }
+    spec = FullAttentionSpec(**shape)
     num_layers = model_config.get_num_layers(parallel_config)
-    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
+    sliding = _sliding_layers(model_config.hf_text_config, num_layers, sliding_window)
+    specs = {
+        f"model.layers.{i}.self_attn.attn": (
+            SlidingWindowSpec(**shape, sliding_window=sliding[i]) if i in sliding else spec
+        )
+        for i in range(num_layers)
+    }
     # As EngineCore: resolve one KV cache layout from what the attention backends support.
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
     from vllm.v1.attention.backends.utils import (
@@ -43,8 +59,9 @@ def make_kv_cache_configs(vllm_config: Any, num_blocks: int) -> tuple[Any, Any, 
     ]
     resolve_kv_cache_layout(vllm_config, [layouts], list(specs.values()))
 
-    # num_gpu_blocks_override fixes the count; the memory only has to be large enough.
-    memory = (num_blocks + 1) * spec.page_size_bytes * num_layers
+    # num_gpu_blocks_override fixes the count; the memory only has to be large enough (twice
+    # the full-attention need: vLLM's check for a hybrid layout counts more than that).
+    memory = (num_blocks + 1) * spec.page_size_bytes * num_layers * (2 if sliding else 1)
 
     try:  # vLLM 0.33: planning split out of kv_cache_utils, groups computed first
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
@@ -74,6 +91,17 @@ def make_kv_cache_configs(vllm_config: Any, num_blocks: int) -> tuple[Any, Any, 
         if align is not None and hasattr(cfg, "cache_hit_alignment_tokens"):
             cfg.cache_hit_alignment_tokens = align
     return worker_configs[0], sched_config, sched_block_size, hash_block_size
+
+
+def _sliding_layers(hf_config: Any, num_layers: int, sliding_window: int | None) -> dict[int, int]:
+    """Layer index -> window, for the layers that slide (see ``make_kv_cache_configs``)."""
+    if sliding_window is not None:
+        return {i: sliding_window for i in range(0, num_layers, 2)}
+    window = getattr(hf_config, "sliding_window", None)
+    kinds = getattr(hf_config, "layer_types", None) or ()
+    if not window:
+        return {}
+    return {i: window for i, kind in enumerate(kinds[:num_layers]) if kind == "sliding_attention"}
 
 
 def make_vllm_config(

@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvcompose.engine.harness_worker import WORKER_RANK
@@ -448,3 +449,16 @@ class ScriptedConnector(KVConnectorBase_V1):
         for req_id, bad in sorted(pending.items()):
             self.script.calls.append(("invalid_report", tuple(sorted(bad)), (req_id,)))
         return errors
+
+
+class ScriptedHMAConnector(ScriptedConnector, SupportsHMA):
+    """A ``ScriptedConnector`` that supports vLLM's hybrid KV cache manager (``leaf(...,
+    connector="ScriptedHMAConnector")``): for trees of ``KVComposeHMA`` on a model with
+    several KV cache groups. It hears the finish with every group's blocks; what it loads and
+    reports is its parent's (group 0's block ids, the first group vLLM lists)."""
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.script.calls.append(("finished_groups", request.request_id, len(block_ids)))
+        return self.request_finished(request, block_ids[0])
