@@ -49,6 +49,16 @@ An owned load whose owner is a nested stitched node that holds its receive back 
 recovery round goes back from ``LOADED`` to ``LOADING`` (``receive_held``): the owner's next
 receive ends it.
 
+A **parked** sync load: on a model with several KV cache groups vLLM takes no invalid block
+ids (``Scheduler._handle_invalid_blocks`` raises) and has no request-level failure signal for
+a sync load, so a decided sync load whose children can all be parked (``PARKABLE_MODES``: a
+child that loads what its metadata names whether vLLM schedules the request or not) is
+reported to vLLM as async (``park``): an owned one becomes a stitched load of one segment,
+``is_async`` is set, and it goes the stitched way: vLLM holds the request for the step the
+children load in, the worker half reports the round's receive itself, and a failed segment is
+recovered or given up by request (``failed_recving``). A load that cannot be parked is not
+taken (the scheduler half re-decides it as a miss).
+
 A second ``update_state_after_alloc(…, 0)`` after an async load leaves the state unchanged.
 A failed owner is remembered in ``excluded`` and skipped when the scheduler looks the request
 up again (``kv_load_failure_policy="recompute"`` after a total failure), so the next child can
@@ -61,12 +71,17 @@ serve it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, KeysView
+from collections.abc import Callable, KeysView, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvcompose.composite import segments as seg
 from kvcompose.composite.segments import Segment, SegmentError
+
+#: Range modes (``kvcompose.tree.ranges``) of children that load what their metadata names
+#: whether vLLM schedules the request in that step or holds it parked: their sync loads can be
+#: reported to vLLM as async (``Ledger.park``), as stitched rounds already hold them.
+PARKABLE_MODES = frozenset({"native", "last_segment"})
 
 
 class LoadState(enum.Enum):
@@ -217,6 +232,36 @@ class Ledger:
         record = self.decide(req_id, None, tokens, is_async, reason, local_tokens)
         record.segments = segments
         return record
+
+    def park(self, record: LoadRecord, supports: Sequence[Any]) -> bool:
+        """A decided sync load (``OWNED``) told to vLLM as async, if every loading child's
+        range mode (``supports[child].mode``) is in ``PARKABLE_MODES``: an owned load becomes
+        one segment ``[local, local + tokens)``. Returns False (nothing changed) otherwise."""
+        if record.state is not LoadState.OWNED or record.is_async or record.tokens <= 0:
+            return False
+        if record.segments:
+            if any(supports[s.child].mode not in PARKABLE_MODES for s in record.segments):
+                return False
+        else:
+            if record.owner is None:
+                return False
+            support = supports[record.owner]
+            if support.mode not in PARKABLE_MODES:
+                return False
+            start = record.local_tokens
+            record.segments = (
+                Segment(
+                    record.owner,
+                    start,
+                    start + record.tokens,
+                    False,
+                    support.mode,
+                    support.can_cut,
+                ),
+            )
+            record.owner = None
+        record.is_async = True
+        return True
 
     def allocated(self, req_id: str, num_external_tokens: int) -> LoadRecord | None:
         """``update_state_after_alloc`` was called. Returns the record (None if unknown)."""

@@ -35,6 +35,8 @@ class CompositeMetadata(KVConnectorMetadata):
     sync segments of stitched loads of this step, request id → ((child, block ids), ...).
     ``invalid_blocks``: blocks the worker reports as failed loads this step (a sync stitched
     load's range that no segment loads: an uncuttable segment straddled the grant's end).
+    ``by_request``: the model has several KV cache groups, where vLLM takes no invalid block
+    ids: the worker fails a child's loads by request when the child names bad blocks.
     """
 
     children: tuple[KVConnectorMetadata | None, ...]
@@ -44,6 +46,7 @@ class CompositeMetadata(KVConnectorMetadata):
     stitches: dict[str, StitchLoad] = field(default_factory=dict)
     sync_segments: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = field(default_factory=dict)
     invalid_blocks: tuple[int, ...] = ()
+    by_request: bool = False
 
 
 @dataclass(frozen=True)

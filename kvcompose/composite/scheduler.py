@@ -8,6 +8,12 @@ step hands to the worker half: the async loads given out (owner per request), th
 ``kvcompose.composite.output_routing``'s job; a stitched load's allocation, rounds and
 recovery are ``kvcompose.composite.stitch.StitchPlanner``'s.
 
+On a model with several KV cache groups vLLM takes load failures by request only
+(``Scheduler._handle_invalid_blocks`` raises on invalid block ids; ``failed_recving`` exists
+for async loads alone), so the node parks its sync loads: it tells vLLM they are async, and
+the request waits one step while its children load (``Ledger.park``). A sync load of a child
+that cannot be parked is not taken.
+
 vLLM's scheduler calls ``get_num_new_matched_tokens`` for every waiting request every step,
 and ``update_state_after_alloc`` / ``request_finished`` once or twice per request: those paths
 call the children through bound methods cached by ``refresh_child_methods`` and check the
@@ -97,6 +103,12 @@ class CompositeScheduler(SchedulerForwarding):
         )
         self.finishes = Finishes()
         self._outputs = OutputRouter(self.ledger, self.finishes, children)
+        # several KV cache groups: vLLM takes no invalid block ids, so every failure goes up by
+        # request, and sync loads are parked (``Ledger.park``) so that theirs can
+        self.by_request = num_kv_groups > 1
+        self._not_parked_logged: set[int] = set()
+        if self.by_request:
+            self.get_num_new_matched_tokens = self._answer_parked  # type: ignore[method-assign]
         self._partial_tails: dict[str, set[int]] = {}  # accepted tails, until the finish
         self._step_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._step_sync_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -165,6 +177,41 @@ class CompositeScheduler(SchedulerForwarding):
     ) -> tuple[int | None, bool]:
         """Every policy's answer comes from the one rule (``kvcompose.composite.lookup``)."""
         return self.lookup.answer(request, num_computed_tokens)
+
+    def _answer_parked(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens`` on several KV cache groups: the one rule's answer,
+        a sync load parked (told to vLLM as async: its failure can then be reported by
+        request, ``Ledger.park``), or not taken if a loading child cannot be parked (its
+        failure could not be reported at all: vLLM would use or keep garbage, or die)."""
+        tokens, is_async = self.lookup.answer(request, num_computed_tokens)
+        if is_async or not tokens:
+            return tokens, is_async
+        req_id = request.request_id
+        record = self.ledger.get(req_id)
+        if record is None:
+            return tokens, is_async  # (a hit always leaves a record)
+        if self.ledger.park(record, self.lookup.range_supports):
+            return tokens, True
+        names = self.children.names
+        for child in record.loaders():
+            self.counters.inc(f"not_parked.{names[child]}")
+            if child not in self._not_parked_logged:
+                self._not_parked_logged.add(child)
+                logger.warning(
+                    "kvcompose[%s]: child %r answered a sync load on a model with several KV "
+                    "cache groups, where vLLM has no way to hear that a sync load failed, and "
+                    "its range mode cannot be parked (told to vLLM as async); its sync hits "
+                    "are not taken (logged once per child). Declare its load_range native if "
+                    "it loads what its metadata names whether vLLM schedules the request or not",
+                    self.name,
+                    names[child],
+                )
+        if self.costs is not None:
+            self.costs.forget(req_id)
+        self.ledger.decide(
+            req_id, None, 0, False, record.reason + "+not parked", record.local_tokens
+        )
+        return 0, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -250,6 +297,7 @@ class CompositeScheduler(SchedulerForwarding):
         self._step_loads, self._step_sync_loads, self._step_sends = {}, {}, {}
         if invalid_blocks:  # a stitch's sync range no segment loads
             metadata.invalid_blocks = invalid_blocks
+        metadata.by_request = self.by_request
         return metadata
 
     def _recovery_round(self) -> None:

@@ -154,7 +154,7 @@ class CompositeWorker:
         combined = self.signals.combine(results, finished_req_ids)
         # claimed as when vLLM asks for the errors after the results: a parked stitch's
         # segment whose round ended this step still claims its own bad blocks
-        self._load_errors = self._claim(errors)
+        self._load_errors = self._claim(errors, combined)
         return combined
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -181,12 +181,24 @@ class CompositeWorker:
             self.guard.child_error(i, "get_block_ids_with_load_errors", exc)
             return set()
 
-    def _claim(self, errors: list[set[int]]) -> set[int]:
-        """What of the children's bad blocks goes up to vLLM (``WorkerSignals.claim_errors``)."""
-        claimed = set().union(
-            *(self.signals.claim_errors(i, mine) for i, mine in enumerate(errors) if mine)
-        )
-        self.signals.end_fences()
+    def _claim(
+        self, errors: list[set[int]], combined: KVConnectorTransferResults | None = None
+    ) -> set[int]:
+        """What of the children's bad blocks goes up to vLLM (``WorkerSignals.claim_errors``):
+        on several KV cache groups none, a child's unclaimed ones failing its loads by request
+        instead (``WorkerSignals.fail_by_request``; ``combined``: the step's results, whose
+        receives from the child then go up failed)."""
+        signals = self.signals
+        claimed: set[int] = set()
+        for i, mine in enumerate(errors):
+            if not mine:
+                continue
+            left = signals.claim_errors(i, mine)
+            if left and signals.by_request:
+                signals.fail_by_request(i, combined)
+            else:
+                claimed |= left
+        signals.end_fences()
         return claimed
 
     def get_kv_connector_kv_cache_events(self) -> ComposedKVEvents | None:

@@ -17,6 +17,9 @@ report:
   (``kvcompose.composite.worker_stitches.StitchRounds``).
 - **fences**: a child's late reports for loads failed for its raise are dropped
   (``kvcompose.composite.worker_fences.Fences``).
+- **several KV cache groups** (``CompositeMetadata.by_request``): vLLM takes no invalid block
+  ids there, so a child's bad blocks that no parked stitch's segment of it claims fail the
+  child's loads by request (``fail_by_request``).
 
 Tables empty themselves as signals go up; ``live()`` shows what is in flight.
 """
@@ -49,6 +52,8 @@ class WorkerSignals:
         self._freed: list[str] = []  # finished this step, no send holding their blocks
         self.fences = Fences(guard)
         self.stitches = StitchRounds()
+        self.by_request = False  # several KV cache groups: failures by request only
+        self._step_receives: dict[int, set[str]] = {}  # by_request: owned receives sent up
 
     def on_metadata(self, metadata: CompositeMetadata) -> None:
         for req_id, (owner, blocks) in metadata.loads.items():
@@ -62,6 +67,7 @@ class WorkerSignals:
         if metadata.invalid_blocks:
             self._failed_blocks.update(metadata.invalid_blocks)
         self.stitches.on_metadata(metadata)
+        self.by_request = metadata.by_request
         if self.timer is not None:
             self.timer.on_metadata(metadata)
 
@@ -91,6 +97,27 @@ class WorkerSignals:
         self._failed_blocks.update(invalid)
         for req_id, blocks in fenced:
             self.fences.fence(child, req_id, blocks)
+
+    def fail_by_request(self, child: int, out: KVConnectorTransferResults | None) -> None:
+        """Several KV cache groups: ``child`` named bad blocks that no segment of it claims
+        (block ids are unique only within a group, so they cannot name a request, and vLLM
+        refuses them). Every load of the child that may hold them fails by request: its
+        segments of parked stitched loads (in flight, or whose round ended this step), the
+        receives it reports this step (``out``, going up failed); if it has none, its loads
+        in flight, as if it raised."""
+        hit = self.stitches.fail_segments_of(child)
+        mine = self._step_receives.get(child)
+        if mine and out is not None:
+            out.failed_recving |= mine
+            hit = True
+        if hit:
+            return
+        if any(owner == child for owner in self._recv_owner.values()):
+            self.fail_loads_of(child)
+            return
+        self._guard.violation(
+            child, "unowned_bad_blocks", "named bad blocks while loading nothing; dropped"
+        )
 
     def take_segment_failures(self) -> dict[str, frozenset[int]]:
         """Parked stitched loads whose segments failed since the last call (once a step)."""
@@ -123,6 +150,9 @@ class WorkerSignals:
         ``finished_req_ids``: the requests vLLM finished since the last step (their blocks
         are freed unless a child's send holds them)."""
         out = KVConnectorTransferResults()
+        by_request = self.by_request
+        if by_request:
+            self._step_receives = {}
         for req_id in self._failed_loads:
             self._recv_blocks.pop(req_id, None)
             if self._recv_owner.pop(req_id, None) is not None:
@@ -152,6 +182,8 @@ class WorkerSignals:
                 out.finished_recving.add(req_id)
                 if failed:
                     out.failed_recving.add(req_id)
+                if by_request:
+                    self._step_receives.setdefault(child, set()).add(req_id)
                 if self.timer is not None:
                     self.timer.received(req_id, child, failed=failed)
             for req_id in result.finished_sending:

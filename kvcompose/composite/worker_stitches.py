@@ -103,6 +103,23 @@ class StitchRounds:
                     self._segment_failures[req_id] = failed | {child}
         return left
 
+    def fail_segments_of(self, child: int) -> bool:
+        """Several KV cache groups: ``child`` named bad blocks no segment claims by its block
+        ids (group 0's, while the child may name another group's): every segment of it in a
+        parked stitched load, in flight or whose round ended this step, fails. Returns
+        whether there was one."""
+        hit = False
+        for req_id, by_child in self._blocks.items():
+            if child in by_child:
+                self._failed[req_id].add(child)
+                hit = True
+        for req_id, by_child in self._ended.items():
+            if child in by_child:
+                failed = self._segment_failures.get(req_id, frozenset())
+                self._segment_failures[req_id] = failed | {child}
+                hit = True
+        return hit
+
     def finish(self) -> list[tuple[str, tuple[int, ...], bool]]:
         """Rounds whose async segments all reported: (request, blocks given up, whether the
         request goes up failed), one receive each. Their failed segments wait for the
