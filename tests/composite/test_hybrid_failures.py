@@ -43,12 +43,17 @@ def hybrid_harness(harness, config: dict[str, Any], groups: int, **kw: Any):
     return h
 
 
+def outputs(h) -> list[Any]:
+    """The connector outputs vLLM's scheduler read (a step that ran no batch has none)."""
+    return [r.kv_connector_output for r in h.history if r.kv_connector_output is not None]
+
+
 def invalid_blocks_sent(h) -> list[int]:
-    return sorted(b for r in h.history for b in (r.kv_connector_output.invalid_block_ids or ()))
+    return sorted(b for out in outputs(h) for b in (out.invalid_block_ids or ()))
 
 
 def failed_sent(h, req_id: str) -> int:
-    return sum(req_id in (r.kv_connector_output.failed_recving or ()) for r in h.history)
+    return sum(req_id in (out.failed_recving or ()) for out in outputs(h))
 
 
 def counters(h) -> dict[str, int]:
@@ -266,3 +271,108 @@ def test_a_sync_load_that_succeeds(harness, groups):
     assert receives(h, rid) == (1 if groups == 2 else 0)
     assert a.recv_reports(rid) == [], "the node reports the parked sync load's receive"
     h.assert_clean()
+
+
+# ------------------------------------------------------------------ around the failure
+
+
+def test_a_fallback_after_a_failed_async_load_is_parked_and_loads(harness):
+    """a's async load fails; vLLM looks the request up again without a, and b's sync load
+    (parked on 2 groups) serves it."""
+    script("a", Behaviour(tokens=64, is_async=True, load="fail"))
+    b = script("b", Behaviour(tokens=48))
+    h = hybrid_harness(harness, kvcompose_config(chain("root", hma("a"), hma("b"))), 2)
+    rid = h.add_request(prompt(PROMPT), max_tokens=2).request_id
+    h.run_until_idle()
+    assert failed_sent(h, rid) == 1 and not invalid_blocks_sent(h)
+    assert 48 in allocs(b, rid)
+    assert receives(h, rid) == 2, "a's failed receive, then b's parked load's"
+    assert scheduled(h, rid) == PROMPT - 48 + 1
+    h.assert_clean()
+
+
+def test_a_fallback_that_fails_too_leaves_the_request_to_recompute(harness):
+    script("a", Behaviour(tokens=64, is_async=True, load="fail"))
+    b = script("b", Behaviour(tokens=48, raise_in=frozenset({"start_load_kv"})))
+    h = hybrid_harness(harness, kvcompose_config(chain("root", hma("a"), hma("b"))), 2)
+    rid = h.add_request(prompt(PROMPT), max_tokens=2).request_id
+    h.run_until_idle()
+    assert ("raise", "start_load_kv", rid) in b.calls
+    assert failed_sent(h, rid) == 2 and not invalid_blocks_sent(h)
+    assert scheduled(h, rid) == PROMPT + 1
+    assert h.finished[rid].finish_reason.name == "LENGTH"
+    h.assert_clean()
+
+
+def test_abort_while_a_failed_parked_load_awaits_its_recovery(harness):
+    """a's parked sync load failed; the request is aborted before the next step gives it up:
+    vLLM still gets the one receive that frees its blocks."""
+    script("a", Behaviour(tokens=64, raise_in=frozenset({"start_load_kv"})))
+    h = hybrid_harness(harness, kvcompose_config(chain("root", hma("a"))), 2)
+    rid = h.add_request(prompt(PROMPT), max_tokens=2).request_id
+    h.step()
+    assert h.connector.ownership()[rid]["state"] == "recovering"
+    h.abort(rid)
+    h.run_until_idle()
+    assert receives(h, rid) == 1 and not invalid_blocks_sent(h)
+    h.assert_clean()
+
+
+def test_a_nested_node_parks_its_own_sync_loads(harness):
+    """The nested node parks its child's sync load and answers its parent async; the
+    failure goes up by request through both."""
+    a = script("a", Behaviour(tokens=64, raise_in=frozenset({"start_load_kv"})))
+    b = script("b", Behaviour(tokens=32))
+    inner = chain("inner", hma("a"))
+    h = hybrid_harness(harness, kvcompose_config(chain("root", inner, hma("b"))), 2)
+    rid = h.add_request(prompt(PROMPT), max_tokens=2).request_id
+    h.run_until_idle()
+    assert ("raise", "start_load_kv", rid) in a.calls
+    assert failed_sent(h, rid) == 1 and not invalid_blocks_sent(h)
+    assert allocs(b, rid)[-2:] == [32, 0], "b serves the request looked up again"
+    assert scheduled(h, rid) == PROMPT - 32 + 1
+    assert not h.connector.guard.violations and not h.worker_connector.guard.violations
+    h.assert_clean()
+
+
+def test_a_sync_load_failing_on_one_rank_fails_by_request(harness):
+    """Two worker ranks: a names bad blocks on rank 1 only; the other rank's half loaded,
+    but the request fails by request all the same."""
+    rank1 = frozenset({1})
+    script("a", Behaviour(tokens=64, load="invalid", invalid_block=2, fails_on_ranks=rank1))
+    h = hybrid_harness(harness, kvcompose_config(chain("root", hma("a"))), 2, num_workers=2)
+    rid = h.add_request(prompt(PROMPT), max_tokens=2).request_id
+    h.run_until_idle()
+    assert failed_sent(h, rid) == 1 and not invalid_blocks_sent(h)
+    assert scheduled(h, rid) == PROMPT + 1
+    h.assert_clean()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_parked_sync_loads_under_async_scheduling(tiny_model, fails):
+    """The scheduler runs one batch ahead (``AsyncSchedulerHarness``): a parked sync load's
+    receive, or its failure, still reaches vLLM by request."""
+    from kvcompose.engine.harness import AsyncSchedulerHarness
+
+    raise_in = frozenset({"start_load_kv"}) if fails else frozenset()
+    script("a", Behaviour(tokens=64, raise_in=raise_in))
+    config = {**kvcompose_config(chain("root", hma("a"))), "kv_connector": "KVComposeHMA"}
+    h = AsyncSchedulerHarness(
+        tiny_model,
+        config,
+        block_size=BLOCK,
+        num_blocks=256,
+        sliding_window=WINDOW,
+        with_worker=True,
+        kv_load_failure_policy="recompute",
+    )
+    try:
+        rids = [h.add_request(prompt(PROMPT, seed=s), max_tokens=3).request_id for s in range(3)]
+        h.run_until_idle()
+        assert not invalid_blocks_sent(h)
+        for rid in rids:
+            assert h.finished[rid].finish_reason.name == "LENGTH"
+            assert failed_sent(h, rid) == (1 if fails else 0)
+        h.assert_clean()
+    finally:
+        h.close()
