@@ -21,7 +21,37 @@ def test_the_issue_examples_exist() -> None:
         "two-disk-tiers.yaml",
         "route-by-params.yaml",
         "multiconnector-dropin.json",
+        "fastest-tiers.yaml",
+        "shared-tier-mooncake.yaml",
+        "pd-offload-decode.yaml",
     } <= names
+
+
+def test_the_feature_examples_show_their_feature() -> None:
+    """``policy: fastest`` with priors, a shared Mooncake tier behind a local one, and a decode
+    engine with an offload tier in front of NIXL."""
+    fastest = load_config(str(EXAMPLES / "fastest-tiers.yaml"), env={}, check_vllm=False).tree
+    assert fastest.kind == "chain" and fastest.policy == "fastest"
+    assert fastest.expect_prefill_tokens_per_s
+    assert all(leaf.expect_read is not None for leaf in leaves(fastest))
+
+    shared = load_config(str(EXAMPLES / "shared-tier-mooncake.yaml"), env={}, check_vllm=False)
+    assert [leaf.connector for leaf in leaves(shared.tree)] == [
+        "PrefixStoreConnector",
+        "MooncakeStoreConnector",
+    ]
+    per_engine = load_config(
+        str(EXAMPLES / "shared-tier-mooncake.yaml"),
+        env={"KVCOMPOSE_SET": "shared.extra_config.lookup_rpc_port=2"},
+        check_vllm=False,
+    )
+    assert leaves(per_engine.tree)[1].extra_config["lookup_rpc_port"] == 2
+
+    decode = load_config(str(EXAMPLES / "pd-offload-decode.yaml"), env={}, check_vllm=False)
+    assert decode.transfer["kv_role"] == "kv_consumer"
+    offload, nixl = leaves(decode.tree)
+    assert (offload.connector, offload.kv_role) == ("OffloadingConnector", "kv_both")
+    assert nixl.connector == "NixlConnector"
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
