@@ -17,3 +17,11 @@ def tiny_model_dir() -> Path:
     from kvcompose.engine.model import build_tiny_model, default_cache_dir
 
     return Path(build_tiny_model(default_cache_dir() / "tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def hybrid_model_dir() -> Path:
+    """The hybrid Llama (4 layers, sliding window 64 on layers 0 and 2): 2 KV cache groups."""
+    from kvcompose.engine.model import tiny_hybrid_model
+
+    return Path(tiny_hybrid_model())

@@ -520,9 +520,11 @@ def test_guards_and_reset(tmp_path):
     assert conn.reset_cache() is True
     assert store_usage(conn.config.path)["files"] == 0
     assert make_connector(tmp_path, read_only=True).reset_cache() is False
-    # Several KV cache groups are refused at construction.
+    # Under several KV cache groups, a group whose blocks are not per token is refused at
+    # construction (full-attention and sliding-window groups are stored per group).
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
     ktc = KVTransferConfig(
         kv_connector="PrefixStoreConnector",
@@ -530,9 +532,13 @@ def test_guards_and_reset(tmp_path):
         kv_connector_extra_config={"path": str(tmp_path / "g")},
     )
     cfg = SimpleNamespace(kv_transfer_config=ktc)
-    with pytest.raises(ValueError, match="single KV cache group"):
+    groups = [
+        SimpleNamespace(layer_names=["a"], kv_cache_spec=object.__new__(FullAttentionSpec)),
+        SimpleNamespace(layer_names=["m"], kv_cache_spec=object.__new__(MambaSpec)),
+    ]
+    with pytest.raises(ValueError, match="KV cache group 1 is a MambaSpec"):
         PrefixStoreConnector(
-            cfg, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=8, kv_cache_groups=[1, 2])
+            cfg, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=8, kv_cache_groups=groups)
         )
 
 

@@ -6,6 +6,10 @@ for its role (:class:`PrefixStoreScheduler` or :class:`PrefixStoreWorker`) and d
 Subclasses swap the halves or the config through :attr:`config_class` and
 :attr:`worker_class` (the fault-injecting test double in :mod:`kvcompose.testing.faulty_store`
 does).
+
+The class supports vLLM's hybrid KV cache manager (``SupportsHMA``): it loads and saves every
+KV cache group by its own block ids (:mod:`~kvcompose.stores.prefix.groups`), so vLLM keeps
+HMA on for it, and a kvcompose tree holding it can run with HMA.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcompose.stores.prefix.config import PrefixStoreConfig
 from kvcompose.stores.prefix.files import ChunkFiles, this_worker_tag, worker_tags
+from kvcompose.stores.prefix.groups import KVGroups
 from kvcompose.stores.prefix.keys import store_salt
 from kvcompose.stores.prefix.metadata import PrefixStoreMetadata
 from kvcompose.stores.prefix.scheduler import PrefixStoreScheduler
@@ -34,14 +40,14 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
-class PrefixStoreConnector(KVConnectorBase_V1):
+class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefix-aware chunked disk KV store (see :mod:`kvcompose.stores.prefix`)."""
 
     _cache_hit_source = CacheHitSource.DISK
@@ -57,12 +63,8 @@ class PrefixStoreConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig,
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if len(groups) > 1:
-            raise ValueError(
-                "PrefixStoreConnector supports models with a single KV cache group "
-                f"(this model has {len(groups)})"
-            )
+        #: The engine's KV cache groups (one unless vLLM's hybrid KV cache manager is on).
+        self.groups = KVGroups.of(kv_cache_config)
         self.config = self.config_class.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
@@ -88,10 +90,15 @@ class PrefixStoreConnector(KVConnectorBase_V1):
                 loads_enabled=ktc.is_kv_consumer,
                 saves_enabled=ktc.is_kv_producer and not self.config.read_only,
                 event_medium=EVENT_MEDIUM[self.medium] if _kv_events_on(vllm_config) else None,
+                groups=self.groups,
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = self.worker_class(
-                self.config, self.files, kv_cache_config=kv_cache_config, block_size=block_size
+                self.config,
+                self.files,
+                kv_cache_config=kv_cache_config,
+                block_size=block_size,
+                groups=self.groups,
             )
 
     @property
@@ -144,6 +151,11 @@ class PrefixStoreConnector(KVConnectorBase_V1):
 
     # ================================================================ scheduler
 
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.bind_kv_cache_manager(kv_cache_manager)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -168,6 +180,13 @@ class PrefixStoreConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # The scheduler half keeps what it needs per request; the blocks a background
+        # save holds are every group's (vLLM delays the free of all of them).
         return self.scheduler.request_finished(request)
 
     def take_events(self) -> list[Any]:

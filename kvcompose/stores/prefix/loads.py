@@ -15,7 +15,8 @@ leaves the cache untouched. A file that shrinks while it is read (another proces
 truncating it; eviction unlinks, which does not) fails with the blocks read so far
 written, which is harmless: a failed load reports its blocks for recomputation.
 The file format is the one the store has always written; a file whose dtype the direct
-reader does not know is read through ``safetensors`` as before.
+reader does not know is read through ``safetensors`` as before. Under several KV cache
+groups each layer receives its own group's part of a chunk (``ChunkLoad.for_group``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvcompose.stores.prefix.safetensors_io import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from kvcompose.stores.prefix.groups import KVGroups
     from kvcompose.stores.prefix.metadata import ChunkLoad
     from kvcompose.stores.prefix.writer import WriteJob
 
@@ -63,6 +65,8 @@ class LoadProgress:
     nbytes: int = 0
     files: list[str] = field(default_factory=list)
     failed_from: int | None = None
+    #: Several KV cache groups: ``bytes_loaded_group<i>`` -> bytes.
+    by_group: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,24 +88,35 @@ def block_targets(dsts: dict[str, torch.Tensor]) -> dict[str, BlockTarget]:
     return {name: BlockTarget.of(dst) for name, dst in dsts.items()}
 
 
-def read_chunk(path: str, chunk: ChunkLoad, targets: dict[str, BlockTarget]) -> int:
+def read_chunk(
+    path: str,
+    chunk: ChunkLoad,
+    targets: dict[str, BlockTarget],
+    groups: KVGroups | None = None,
+) -> int:
     """Copy blocks ``chunk.first_block, ...`` of every layer in the file at ``path`` into
-    ``targets`` (layer name -> cache with blocks at dim 0) at ``chunk.block_ids``; returns
-    the bytes copied. Raises ``OSError`` or ``ValueError`` when the file does not fit."""
+    ``targets`` (layer name -> cache with blocks at dim 0) at ``chunk.block_ids`` (each
+    layer its group's part, with ``groups``); returns the bytes copied. Raises ``OSError``
+    or ``ValueError`` when the file does not fit."""
     fd = os.open(path, os.O_RDONLY)
     try:
         try:
             stored, _ = read_header(fd)
         except UnsupportedDtype:
             dsts = {name: t.tensor for name, t in targets.items()}
-            return _read_with_safetensors(path, chunk, dsts)
-        plan = [
-            (target, _fit(name, stored.get(name), target.tensor, chunk))
-            for name, target in targets.items()
-        ]
-        return sum(_read_blocks(fd, target, src, chunk) for target, src in plan)
+            return _read_with_safetensors(path, chunk, dsts, groups)
+        plan = []
+        for name, target in targets.items():
+            part = _part(chunk, name, groups)
+            plan.append((target, _fit(name, stored.get(name), target.tensor, part), part))
+        return sum(_read_blocks(fd, target, src, part) for target, src, part in plan)
     finally:
         os.close(fd)
+
+
+def _part(chunk: ChunkLoad, layer: str, groups: KVGroups | None) -> ChunkLoad:
+    """What one layer receives of ``chunk``."""
+    return chunk if groups is None else chunk.for_group(groups.group_of(layer))
 
 
 def _fit(name: str, src: StoredTensor | None, dst: torch.Tensor, chunk: ChunkLoad) -> StoredTensor:
@@ -157,24 +172,27 @@ def _preadv_exactly(fd: int, buffers: list[np.ndarray], offset: int, nbytes: int
         raise FormatError(f"read {got} of {nbytes} bytes at offset {offset}")
 
 
-def _read_with_safetensors(path: str, chunk: ChunkLoad, dsts: dict[str, torch.Tensor]) -> int:
+def _read_with_safetensors(
+    path: str, chunk: ChunkLoad, dsts: dict[str, torch.Tensor], groups: KVGroups | None
+) -> int:
     """A file with a dtype :func:`read_header` does not map, read by the library."""
     import safetensors.torch
 
     tensors = safetensors.torch.load_file(path)
-    n = len(chunk.block_ids)
     plan = []
     for name, dst in dsts.items():
+        part = _part(chunk, name, groups)
+        n = len(part.block_ids)
         src = tensors.get(name)
         stored = None
         if src is not None:
             stored = StoredTensor(src.dtype, tuple(src.shape), 0, src.numel() * src.element_size())
-        _fit(name, stored, dst, chunk)
+        _fit(name, stored, dst, part)
         assert src is not None
-        plan.append((dst, src[chunk.first_block : chunk.first_block + n]))
+        plan.append((dst, part.block_ids, src[part.first_block : part.first_block + n]))
     nbytes = 0
-    for dst, tiles in plan:
-        _put_blocks(dst, chunk.block_ids, tiles.contiguous())
+    for dst, block_ids, tiles in plan:
+        _put_blocks(dst, block_ids, tiles.contiguous())
         nbytes += tiles.numel() * tiles.element_size()
     return nbytes
 
@@ -184,18 +202,26 @@ def copy_from_job(
     job: WriteJob,
     dsts: dict[str, torch.Tensor],
     by_block: Callable[[torch.Tensor], torch.Tensor],
+    groups: KVGroups | None = None,
 ) -> int:
     """Copy a queued write's held source blocks into ``dsts`` (vLLM frees them only after
-    the write, and this step's forward does not touch them); returns the bytes copied."""
-    n = len(chunk.block_ids)
-    src_ids = job.block_ids[chunk.first_block : chunk.first_block + n]
-    if len(src_ids) < n or set(dsts) - set(job.caches):
+    the write, and this step's forward does not touch them; a windowed group's blocks were
+    copied when the write was queued); returns the bytes copied."""
+    if set(dsts) - set(job.caches):
         raise ValueError(f"queued chunk {chunk.key} does not cover the load")
     nbytes = 0
     for name, dst in dsts.items():
-        src = by_block(job.caches[name])
+        part = _part(chunk, name, groups)
+        n = len(part.block_ids)
+        if n == 0:
+            continue
+        src, src_ids = job.source(name, groups)
+        src_ids = src_ids[part.first_block : part.first_block + n]
+        if len(src_ids) < n:
+            raise ValueError(f"queued chunk {chunk.key} does not cover the load")
+        src = by_block(src) if name not in job.copies else src
         src_idx = torch.tensor(src_ids, dtype=torch.long, device=src.device)
         tiles = src.index_select(0, src_idx)
-        _put_blocks(dst, chunk.block_ids, tiles)
+        _put_blocks(dst, part.block_ids, tiles)
         nbytes += tiles.numel() * tiles.element_size()
     return nbytes

@@ -3,6 +3,10 @@
 The scheduler plans in vLLM's (manager) block ids and chunk keys only; the workers never
 hash tokens or look at requests, so a step's metadata is the whole contract between the
 two halves.
+
+Under several KV cache groups (vLLM's hybrid KV cache manager) every chunk is loaded and
+saved per group, by each group's own block ids (``groups``); the single-group fields hold
+group 0's, so code that knows one group keeps working.
 """
 
 from __future__ import annotations
@@ -28,6 +32,16 @@ class ChunkLoad:
     #: ``first_block + 1``, ...
     block_ids: list[int]
     num_tokens: int
+    #: Several KV cache groups: ``(first_block, block_ids)`` per group (a windowed group's
+    #: start later: only its window is loaded). None: one group, the fields above.
+    groups: list[tuple[int, list[int]]] | None = None
+
+    def for_group(self, group: int) -> ChunkLoad:
+        """The part of the load one group's layers receive (itself under one group)."""
+        if self.groups is None:
+            return self
+        first_block, block_ids = self.groups[group]
+        return ChunkLoad(self.key, first_block, block_ids, self.num_tokens)
 
 
 @dataclass
@@ -56,6 +70,13 @@ class SaveSpec:
     req_id: str
     #: The ``BlockStored`` KV cache event to publish once written (None: events off).
     event: Any = None
+    #: Several KV cache groups: the chunk's block ids per group. None: one group,
+    #: ``block_ids``.
+    groups: list[list[int]] | None = None
+
+    def blocks_of(self, group: int) -> list[int]:
+        """The chunk's block ids in one group."""
+        return self.block_ids if self.groups is None else self.groups[group]
 
 
 @dataclass

@@ -13,6 +13,9 @@ step's forward writes a block whose tokens are already computed, and the backgro
 blocks are held until written. Other caches (device memory, heads outside blocks) are copied
 out with ``index_select`` first. Copying every layer's tiles first made a save cost two
 copies of its bytes; ``benchmarks/store_io.py`` measures it.
+
+Under several KV cache groups each layer's blocks are its group's (``SaveSpec.blocks_of``);
+the bytes written are also counted per group (``bytes_saved_group<i>``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvcompose.stores.prefix.files import store_usage
+from kvcompose.stores.prefix.groups import KVGroups
 from kvcompose.stores.prefix.safetensors_io import BlockRun
 from kvcompose.stores.prefix.writer import ChunkWriter, WriteJob
 
@@ -49,8 +53,10 @@ class StoreSaves:
         block_size: int,
         by_block: Callable[[torch.Tensor], torch.Tensor],
         counters: StoreCounters,
+        groups: KVGroups | None = None,
     ) -> None:
         self.config = config
+        self.groups = groups or KVGroups.single()
         self.files = files
         self.block_size = block_size
         self._by_block = by_block
@@ -97,8 +103,10 @@ class StoreSaves:
         if not meta.saves or not isinstance(kv_layer, torch.Tensor) or self.writer is not None:
             return
         grouped = self._by_block(kv_layer)
+        group = self.groups.group_of(layer_name)
         for spec in meta.saves:
-            self._save_buf.setdefault(spec.key, {})[layer_name] = _blocks(grouped, spec.block_ids)
+            blocks = _blocks(grouped, spec.blocks_of(group))
+            self._save_buf.setdefault(spec.key, {})[layer_name] = blocks
 
     def wait_for_save(
         self,
@@ -122,6 +130,7 @@ class StoreSaves:
         t0 = time.perf_counter()
         expected = set(registered)
         chunks = tokens = nbytes = 0
+        by_group: dict[str, int] = {}
         # Reverse prefix order: a chain's first chunks get the newest mtime.
         for spec in reversed(meta.saves):
             layers = self._save_buf.get(spec.key)
@@ -133,6 +142,7 @@ class StoreSaves:
             chunks += 1
             tokens += spec.num_tokens
             nbytes += written
+            self._count_groups(by_group, layers)
         self._save_buf = {}
         if chunks:
             self._evict(chunks, nbytes)
@@ -141,7 +151,16 @@ class StoreSaves:
             tokens_saved=tokens,
             bytes_saved=nbytes,
             save_time_s=time.perf_counter() - t0 if chunks else 0.0,
+            **by_group,
         )
+
+    def _count_groups(self, into: dict[str, int], layers: dict[str, Any]) -> None:
+        """Add the bytes of ``layers`` per KV cache group (several groups only)."""
+        if not self.groups.several:
+            return
+        for name, blocks in layers.items():
+            key = f"bytes_saved_group{self.groups.group_of(name)}"
+            into[key] = into.get(key, 0) + _nbytes(blocks)
 
     def _queue_saves(self, meta: PrefixStoreMetadata, caches: dict[str, torch.Tensor]) -> None:
         assert self.writer is not None
@@ -154,12 +173,34 @@ class StoreSaves:
         dropped = 0
         for spec in reversed(meta.saves):
             job = WriteJob(
-                spec.key, spec.req_id, list(spec.block_ids), spec.num_tokens, caches, spec.event
+                spec.key,
+                spec.req_id,
+                list(spec.block_ids),
+                spec.num_tokens,
+                caches,
+                spec.event,
+                groups=spec.groups,
+                copies=self._windowed_copies(spec, caches),
             )
             if self.writer.submit(job) is False:
                 dropped += 1
         if dropped:
             self._counters.add(saves_dropped=dropped)
+
+    def _windowed_copies(
+        self, spec: Any, caches: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The chunk's blocks of every layer in a windowed group, copied now: vLLM frees
+        them once the request moves past them, before the writer gets to them."""
+        if not any(self.groups.windowed):
+            return {}
+        copies = {}
+        for name, kv in caches.items():
+            group = self.groups.group_of(name)
+            if self.groups.windowed[group]:
+                ids = torch.tensor(spec.blocks_of(group), dtype=torch.long)
+                copies[name] = self._by_block(kv).index_select(0, ids.to(kv.device)).cpu()
+        return copies
 
     def _write_job(self, job: WriteJob) -> bool:
         """On the writer thread: copy the held blocks of every layer, write, evict; True
@@ -167,9 +208,10 @@ class StoreSaves:
         if self.files.stored_here(job.key):
             return True
         t0 = time.perf_counter()
-        layers = {
-            name: _blocks(self._by_block(kv), job.block_ids) for name, kv in job.caches.items()
-        }
+        layers: dict[str, torch.Tensor | BlockRun] = {}
+        for name in job.caches:
+            src, ids = job.source(name, self.groups)
+            layers[name] = src if name in job.copies else _blocks(self._by_block(src), ids)
         written = self._write_chunk(job.key, job.num_tokens, layers, job.event)
         if written is None:
             return False
@@ -180,11 +222,14 @@ class StoreSaves:
             # is about to load; evict between steps instead (``wait_for_save``), where a
             # synchronous store evicts too.
             self._evict_due = True
+        by_group: dict[str, int] = {}
+        self._count_groups(by_group, layers)
         self._counters.add(
             chunks_saved=1,
             tokens_saved=job.num_tokens,
             bytes_saved=written,
             save_time_s=time.perf_counter() - t0,
+            **by_group,
         )
         return True
 
@@ -253,6 +298,12 @@ class StoreSaves:
         with self._events_lock:
             events, self._events = self._events, []
             return events
+
+
+def _nbytes(blocks: torch.Tensor | BlockRun) -> int:
+    if isinstance(blocks, BlockRun):
+        return blocks.nbytes
+    return blocks.numel() * blocks.element_size()
 
 
 def _blocks(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor | BlockRun:

@@ -4,6 +4,13 @@ It runs in vLLM's scheduler process and never touches tensors: it decides from f
 existence (:class:`~kvcompose.stores.prefix.files.ChunkFiles`) and the scheduler's own
 request and block bookkeeping which chunks the workers load into which blocks, and which
 freshly computed chunks they save.
+
+Under several KV cache groups (:mod:`~kvcompose.stores.prefix.groups`) a load places every
+group's blocks by that group's block ids and skips vLLM's null blocks (a windowed group gets
+the window before the load's end), and a chunk is saved only while every group holds all of
+its blocks. Every load is then asynchronous, whatever ``load_mode`` says: a failed load must
+reach vLLM by request (``failed_recving``), because ``Scheduler._handle_invalid_blocks``
+refuses block ids (the only report of a failed synchronous load) under several groups.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvcompose.stores.prefix.admission import Admission, AdmissionRule
+from kvcompose.stores.prefix.groups import KVGroups, all_real, window_blocks
 from kvcompose.stores.prefix.keys import chunk_keys, lookup_limit_chunks, request_salt
 from kvcompose.stores.prefix.metadata import (
     ChunkLoad,
@@ -25,7 +33,7 @@ from kvcompose.stores.prefix.stats import PrefixStoreStats
 from kvcompose.stores.prefix.tier import StoreKVEvents
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -49,7 +57,8 @@ class _ReqState:
 
     request: Request
     salt: str
-    block_ids: list[int] = field(default_factory=list)
+    #: Per KV cache group, the request's block ids as the scheduler output told them.
+    block_ids: list[list[int]] = field(default_factory=list)
     #: Index of the next prompt chunk not yet considered for saving.
     next_save_chunk: int = 0
     keys: list[str] | None = None
@@ -74,13 +83,20 @@ class PrefixStoreScheduler:
         loads_enabled: bool,
         saves_enabled: bool,
         event_medium: str | None = None,
+        groups: KVGroups | None = None,
     ) -> None:
         self.config = config
         self.files = files
         self.block_size = block_size
         self.chunk_tokens = config.chunk_blocks * block_size
         self.salt = salt
-        self.is_async = config.load_mode == "async"
+        self.groups = groups or KVGroups.single()
+        # Several groups: asynchronous, so that a failed load is reported by request.
+        self.is_async = config.load_mode == "async" or self.groups.several
+        #: vLLM's KV cache manager (``bind_kv_cache_manager``): a windowed group's block
+        #: ids are read from it when saves are planned (vLLM nulls blocks behind the window
+        #: without telling connectors).
+        self._manager: KVCacheManager | None = None
         self.loads_enabled = loads_enabled
         self.saves_enabled = saves_enabled
         self._reqs: dict[str, _ReqState] = {}
@@ -112,6 +128,9 @@ class PrefixStoreScheduler:
         #: ``medium`` of the BlockStored events the workers publish (None: no events).
         self.event_medium = event_medium
         self._events: list[Any] = []
+
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self._manager = manager
 
     # ----------------------------------------------------------------------- lookup
 
@@ -182,7 +201,7 @@ class PrefixStoreScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
-        block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        block_ids = [list(g) for g in blocks.get_block_ids()] if blocks is not None else []
         salt = request_salt(self.salt, request)
         state = self._reqs.get(req_id)
         if salt is not None:
@@ -216,9 +235,10 @@ class PrefixStoreScheduler:
         )
 
     def _plan_load(
-        self, req_id: str, state: _ReqState, start: int, end: int, block_ids: list[int]
+        self, req_id: str, state: _ReqState, start: int, end: int, block_ids: list[list[int]]
     ) -> LoadSpec:
-        """Load tokens [start, end) (start block-aligned) from the stored chunks."""
+        """Load tokens [start, end) (start block-aligned) from the stored chunks, into each
+        group's blocks of those tokens that are not null (a windowed group's window)."""
         bs = self.block_size
         c = self.chunk_tokens
         keys = self._prompt_keys(state.request, state.salt)
@@ -228,12 +248,18 @@ class PrefixStoreScheduler:
             hi = min(end, (idx + 1) * c)
             first_blk = lo // bs
             last_blk = (hi + bs - 1) // bs  # exclusive
+            offset = first_blk - idx * self.config.chunk_blocks
+            groups = []
+            for ids in block_ids or [[]]:
+                skipped, window = window_blocks(ids[first_blk:last_blk])
+                groups.append((offset + skipped, window))
             chunks.append(
                 ChunkLoad(
                     key=keys[idx] if idx < len(keys) else NOT_STORED,
-                    first_block=first_blk - idx * self.config.chunk_blocks,
-                    block_ids=block_ids[first_blk:last_blk],
+                    first_block=groups[0][0],
+                    block_ids=groups[0][1],
                     num_tokens=hi - lo,
+                    groups=groups if len(groups) > 1 else None,
                 )
             )
         return LoadSpec(
@@ -264,7 +290,7 @@ class PrefixStoreScheduler:
         for new_req in so.scheduled_new_reqs:
             state = self._reqs.get(new_req.req_id)
             if state is not None:
-                state.block_ids = list(new_req.block_ids[0]) if new_req.block_ids else []
+                state.block_ids = [list(g) for g in new_req.block_ids or ()]
                 if state.first_computed is None:
                     state.first_computed = new_req.num_computed_tokens
             self._consider_saves(so, meta, planned, new_req.req_id, new_req.num_computed_tokens)
@@ -274,10 +300,11 @@ class PrefixStoreScheduler:
             state = self._reqs.get(req_id)
             new_blocks = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
             if state is not None and new_blocks is not None:
-                if req_id in cached.resumed_req_ids:
-                    state.block_ids = list(new_blocks[0])
+                if req_id in cached.resumed_req_ids or len(state.block_ids) != len(new_blocks):
+                    state.block_ids = [list(g) for g in new_blocks]
                 else:
-                    state.block_ids.extend(new_blocks[0])
+                    for ids, new in zip(state.block_ids, new_blocks, strict=True):
+                        ids.extend(new)
             self._consider_saves(so, meta, planned, req_id, cached.num_computed_tokens[i])
 
     def _consider_saves(
@@ -308,6 +335,7 @@ class PrefixStoreScheduler:
             return
         keys = self._prompt_keys(state.request, state.salt)
         cb = self.config.chunk_blocks
+        block_ids = self._block_ids_now(req_id, state)
         for idx in range(state.next_save_chunk, n_full):
             key = keys[idx]
             if (
@@ -317,9 +345,14 @@ class PrefixStoreScheduler:
                 or self.files.stored(key)
             ):
                 continue
-            blocks = state.block_ids[idx * cb : (idx + 1) * cb]
-            if len(blocks) < cb:
+            groups = [ids[idx * cb : (idx + 1) * cb] for ids in block_ids]
+            if not groups or any(len(blocks) < cb for blocks in groups):
                 break
+            if not all(all_real(blocks) for blocks in groups):
+                # A windowed group no longer holds (or never held: a hit behind the
+                # window) some of the chunk's blocks: it cannot be stored whole.
+                continue
+            blocks = groups[0]
             if not self._admit(state, idx, key, len(prompt)):
                 continue
             planned.add(key)
@@ -329,9 +362,18 @@ class PrefixStoreScheduler:
                 self._queued.add(key)
             meta.saves.append(
                 SaveSpec(key=key, block_ids=list(blocks), num_tokens=self.chunk_tokens,
-                         req_id=req_id, event=self._stored_event(state, idx))
+                         req_id=req_id, event=self._stored_event(state, idx),
+                         groups=[list(b) for b in groups] if len(groups) > 1 else None)
             )  # fmt: skip
         state.next_save_chunk = n_full
+
+    def _block_ids_now(self, req_id: str, state: _ReqState) -> list[list[int]]:
+        """The request's block ids per group as vLLM holds them now: with a windowed group,
+        read from the KV cache manager (its nulls are the blocks already freed), else as the
+        scheduler output told them."""
+        if self._manager is not None and any(self.groups.windowed):
+            return [list(g) for g in self._manager.get_block_ids(req_id)]
+        return state.block_ids
 
     def _admit(self, state: _ReqState, idx: int, key: str, prompt_len: int) -> bool:
         """Whether chunk ``idx`` (not stored here) may be saved; counted."""

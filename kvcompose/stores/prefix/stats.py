@@ -3,6 +3,8 @@
 vLLM collects a worker's stats every step, sums them across workers and intervals with
 ``aggregate`` and logs ``reduce()``; kvcompose composites nest them per node. The counters
 are plain numbers in ``data`` so the stats survive vLLM's serialization between processes.
+Under several KV cache groups the bytes are also counted per group
+(``bytes_loaded_group<i>``, ``bytes_saved_group<i>``; absent with one group).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ STAT_KEYS: tuple[str, ...] = (
     "occupancy_chunks",
     "occupancy_bytes",
 )
+#: Prefixes of the per-group byte counters (``<prefix><group index>``).
+GROUP_KEY_PREFIXES: tuple[str, ...] = ("bytes_loaded_group", "bytes_saved_group")
 #: Levels, not counts: combining two intervals keeps the later non-zero value.
 GAUGE_KEYS: frozenset[str] = frozenset({"occupancy_chunks", "occupancy_bytes"})
 
@@ -75,7 +79,19 @@ class PrefixStoreStats(KVConnectorStats):
         for k in STAT_KEYS:
             v = self.data.get(k, 0)
             out[k] = round(v, 4) if isinstance(v, float) else v
+        for k in sorted(self.data):
+            if k.startswith(GROUP_KEY_PREFIXES):
+                out[k] = self.data[k]
         return out
+
+    def bytes_by_group(self, what: str = "loaded") -> dict[int, int]:
+        """Group index -> bytes ``loaded`` or ``saved`` (empty with one KV cache group)."""
+        prefix = f"bytes_{what}_group"
+        return {
+            int(k[len(prefix) :]): int(v)
+            for k, v in self.data.items()
+            if k.startswith(prefix) and k[len(prefix) :].isdigit()
+        }
 
     def is_empty(self) -> bool:
         return not any(self.data.get(k, 0) for k in STAT_KEYS)

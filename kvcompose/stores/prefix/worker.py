@@ -5,7 +5,9 @@ opaque tiles, so a round trip is exact whatever an attention backend packs insid
 (the CPU backend stores K transposed; :mod:`kvcompose.testing.cpu_tiles` decodes that
 layout for a test). Loads run in ``start_load_kv`` before the step's forward
 (:mod:`~kvcompose.stores.prefix.loads` copies the bytes); saves are
-:mod:`~kvcompose.stores.prefix.saves`'s job.
+:mod:`~kvcompose.stores.prefix.saves`'s job. Under several KV cache groups each layer moves
+its own group's blocks (:mod:`~kvcompose.stores.prefix.groups`), and the bytes loaded are
+also counted per group (``bytes_loaded_group<i>``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from kvcompose.stores.prefix.groups import KVGroups
 from kvcompose.stores.prefix.loads import (
     BlockTarget,
     LoadProgress,
@@ -53,10 +56,12 @@ class PrefixStoreWorker:
         *,
         kv_cache_config: KVCacheConfig,
         block_size: int,
+        groups: KVGroups | None = None,
     ) -> None:
         self.config = config
         self.files = files
         self.kv_cache_config = kv_cache_config
+        self.groups = groups or KVGroups.single()
         self.block_size = block_size
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._finished_recving: set[str] = set()
@@ -68,7 +73,12 @@ class PrefixStoreWorker:
         #: The layer caches of the latest step (the writer copies blocks from them).
         self._step_caches: dict[str, torch.Tensor] = {}
         self.saves = StoreSaves(
-            config, files, block_size=block_size, by_block=self._by_block, counters=self._counters
+            config,
+            files,
+            block_size=block_size,
+            by_block=self._by_block,
+            counters=self._counters,
+            groups=self.groups,
         )
 
     @property
@@ -138,6 +148,7 @@ class PrefixStoreWorker:
                 logger.warning("PrefixStoreConnector: load of chunk %s failed: %s", chunk.key, e)
                 progress.failed_from = i
                 break
+            self._count_groups(progress.by_group, chunk, targets)
             if self.files.stored_here(chunk.key):
                 progress.files.append(self.files.file(chunk.key))
             progress.chunks += 1
@@ -149,10 +160,23 @@ class PrefixStoreWorker:
         """Copy one chunk into ``targets``; its bytes. A chunk the background writer has
         not written yet is copied from the blocks its job holds."""
         job = self.writer.job_for(chunk.key) if self.writer is not None else None
+        groups = self.groups if self.groups.several else None
         if job is not None and not self.files.stored_here(chunk.key):
             dsts = {name: t.tensor for name, t in targets.items()}
-            return copy_from_job(chunk, job, dsts, self._by_block)
-        return read_chunk(self.files.file(chunk.key), chunk, targets)
+            return copy_from_job(chunk, job, dsts, self._by_block, groups)
+        return read_chunk(self.files.file(chunk.key), chunk, targets, groups)
+
+    def _count_groups(
+        self, into: dict[str, int], chunk: ChunkLoad, targets: dict[str, BlockTarget]
+    ) -> None:
+        """Add the bytes a loaded chunk put into each KV cache group (several groups only)."""
+        if not self.groups.several:
+            return
+        for name, target in targets.items():
+            group = self.groups.group_of(name)
+            key = f"bytes_loaded_group{group}"
+            blocks = len(chunk.for_group(group).block_ids)
+            into[key] = into.get(key, 0) + blocks * target.tensor[0].nbytes
 
     def _emulate_read(self, nbytes: int, t0: float) -> None:
         """``emulate_read``: sleep until the load has taken latency + bytes / bandwidth."""
@@ -179,10 +203,13 @@ class PrefixStoreWorker:
             "tokens_loaded": progress.tokens,
             "bytes_loaded": progress.nbytes,
             "load_time_s": time.perf_counter() - t0,
+            **progress.by_group,
         }
         if progress.failed_from is not None:
             counts["load_failures"] = 1
-            if not spec.is_async:
+            # Under several groups every load is async (the scheduler half's choice):
+            # vLLM's Scheduler._handle_invalid_blocks raises on block ids there.
+            if not spec.is_async and not self.groups.several:
                 for chunk in spec.chunks[progress.failed_from :]:
                     self._invalid_block_ids.update(chunk.block_ids)
         self._counters.add(**counts)

@@ -19,6 +19,11 @@ counts it as stored until the worker reports it written or dropped, :meth:`take_
 a load of it copies the held source blocks directly (:meth:`job_for`), so the next turn of
 a conversation that arrives before the file is written still hits.
 
+Under several KV cache groups vLLM frees a windowed group's blocks behind the window while
+the request runs, which no delayed free covers, so those layers' blocks are copied when the
+job is queued (:attr:`WriteJob.copies`); the full-attention layers are still written from
+the held blocks.
+
 The queue is bounded (``max_pending_saves`` chunks): when it is full a save is dropped and
 counted instead of stalling the step; a dropped save is a future miss, never wrong data.
 """
@@ -29,11 +34,13 @@ import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+    from kvcompose.stores.prefix.groups import KVGroups
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +56,20 @@ class WriteJob:
     caches: dict[str, torch.Tensor]
     #: The KV cache event to publish once written (None: events off).
     event: Any = None
+    #: Several KV cache groups: the chunk's block ids per group (None: ``block_ids``).
+    groups: list[list[int]] | None = None
+    #: Layer -> its blocks of the chunk, copied when queued (blocks at dim 0).
+    copies: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def source(self, layer: str, groups: KVGroups | None) -> tuple[torch.Tensor, list[int]]:
+        """Where ``layer``'s blocks of the chunk are: a tensor and their indices in it (the
+        copy, or the layer's cache as registered, not viewed by block)."""
+        copy = self.copies.get(layer)
+        if copy is not None:
+            return copy, list(range(copy.shape[0]))
+        if self.groups is None or groups is None:
+            return self.caches[layer], self.block_ids
+        return self.caches[layer], self.groups[groups.group_of(layer)]
 
 
 class ChunkWriter:
