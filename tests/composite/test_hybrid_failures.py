@@ -376,3 +376,41 @@ def test_parked_sync_loads_under_async_scheduling(tiny_model, fails):
         h.assert_clean()
     finally:
         h.close()
+
+
+def test_a_grant_cut_inside_an_uncuttable_sync_segment_is_given_up_by_request(harness):
+    """vLLM rounds the grant down to a block (bounded prefix replay) inside a sync segment
+    that cannot be cut. On two groups the sync stitch is parked, so the lost range goes up by
+    request (vLLM looks the request up again without the dropped child) instead of the grant
+    being refused (``LedgerError``, which vLLM's scheduler would not survive)."""
+    a = script("a", Behaviour(tokens=32))
+    tail = script("tail", Behaviour(tokens=120, loads_unhashed=True))
+    tail_leaf = leaf("tail", connector="ScriptedHMAConnector", load_range="last_segment")
+    h = hybrid_harness(harness, stitch(hma("a"), tail_leaf), 2)
+    h.scheduler.prefix_replay_tokens = BLOCK  # as vLLM sets it for such models
+    rid = h.add_request(prompt(PROMPT), max_tokens=2).request_id
+    h.run_until_idle()
+    assert not invalid_blocks_sent(h) and failed_sent(h, rid) == 1
+    assert tail.lookups(rid) == 1, "skipped on the re-lookup"
+    assert set(allocs(tail, rid)) == {0}
+    assert lookups_at(a, rid) == [0, 0]
+    assert h.finished[rid].finish_reason.name == "LENGTH"
+    h.assert_clean()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_fastest_parks_its_sync_plan_on_two_groups(harness, fails):
+    """``policy: fastest`` chooses a's sync load (far faster than computing): parked on two
+    groups; its failure goes up by request; no load's time is left awaited."""
+    raise_in = frozenset({"start_load_kv"}) if fails else frozenset()
+    a = script("a", Behaviour(tokens=64, raise_in=raise_in))
+    tree = chain("root", hma("a", expect_read={"latency_ms": 0.0, "gbps": 1000.0}))
+    tree.update(policy="fastest", expect_prefill_tokens_per_s=2000.0)
+    h = hybrid_harness(harness, kvcompose_config(tree), 2)
+    rid = h.add_request(prompt(PROMPT), max_tokens=2).request_id
+    h.run_until_idle()
+    assert allocs(a, rid)[0] == 64
+    assert not invalid_blocks_sent(h) and failed_sent(h, rid) == (1 if fails else 0)
+    assert scheduled(h, rid) == (PROMPT if fails else PROMPT - 64) + 1
+    assert h.connector.scheduler_side.costs.expected == {}
+    h.assert_clean()
