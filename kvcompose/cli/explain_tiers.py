@@ -11,7 +11,7 @@ from __future__ import annotations
 from kvcompose.config.limits import size_text
 from kvcompose.stores.prefix.admission import AdmissionRule
 from kvcompose.stores.prefix.config import PrefixStoreConfig
-from kvcompose.tree import Leaf, Node
+from kvcompose.tree import Leaf, Node, leaves
 
 STORE_CONNECTORS = {"PrefixStoreConnector", "FaultyPrefixStoreConnector"}
 
@@ -125,3 +125,16 @@ def tier_lines(tree: Node, leaf: Leaf) -> list[str]:
     if emulated:
         lines.append(emulated)
     return lines
+
+
+def hybrid_line(tree: Node) -> str | None:
+    """What the tree's stores do under vLLM's hybrid KV cache manager (see
+    ``kvcompose.stores.prefix.groups``), or None without a store."""
+    names = [leaf.name for leaf in leaves(tree) if is_store(leaf)]
+    if not names:
+        return None
+    return (
+        f"HMA and the stores ({', '.join(names)}): each KV cache group saved by its own "
+        "blocks, a sliding group's window loaded; loads are async under several groups "
+        "(a failed load is reported by request)"
+    )
