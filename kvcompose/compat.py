@@ -40,8 +40,9 @@ a real engine), except for what kvcompose changes on purpose:
 - **per-child transfer config**: a child inherits the parent's ``KVTransferConfig`` fields
   it does not set (upstream inherits none), so a child may set its own ``engine_id``.
 
-A kvcompose tree is also accepted here. The class supports HMA like upstream's; vLLM checks
-the children.
+A kvcompose tree is also accepted here. The class supports HMA like upstream's, and vLLM
+decides by upstream's rule (``MultiConnector.all_children_support_hma``: HMA stays on when
+every child is ``SupportsHMA``, kvcompose's ``PrefixStoreConnector`` included).
 """
 
 from __future__ import annotations
