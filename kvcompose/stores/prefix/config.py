@@ -72,7 +72,8 @@ class PrefixStoreConfig(BaseModel):
         description="`sync`: loaded in `start_load_kv` before the forward of the step that "
         "schedules the request. `async`: the request waits in `WAITING_FOR_REMOTE_KVS`; the "
         "worker loads it in `start_load_kv` and reports it in `finished_recving` of the "
-        "same step.",
+        "same step. Under several KV cache groups (vLLM's hybrid KV cache manager) loads "
+        "are `async` either way: vLLM takes a failed load only by request there.",
     )
     chunk_blocks: Annotated[int, Field(ge=1, description="Chunk size in vLLM blocks.")] = 1
     max_chunks: int | None = Field(
