@@ -69,6 +69,32 @@ class Pending:
 PENDING = Pending()
 
 
+class Recompute(tuple):  # type: ignore[type-arg]
+    """``fastest``'s plan of no load, chosen over hits (a miss without hits weighs nothing)."""
+
+
+#: The recompute plan: an empty plan that ``fastest`` weighed and counts.
+RECOMPUTE: Plan = Recompute()
+
+
+def same_decision(record: LoadRecord, found: Plan, local: int) -> bool:
+    """Whether ``found`` is the plan ``record`` holds from the last lookup."""
+    if record.local_tokens != local:
+        return False
+    if len(found) > 1:
+        return record.segments == found
+    if record.segments:
+        return False
+    if not found:
+        return record.owner is None
+    segment = found[0]
+    return (record.owner, record.tokens, record.is_async) == (
+        segment.child,
+        segment.tokens,
+        segment.is_async,
+    )
+
+
 def well_formed(result: Any) -> bool:
     """``(n > 0, async)`` or ``(0, False)``: the answers taken without the guard's checks
     (``Lookup.answer`` inlines the same test)."""
@@ -340,13 +366,21 @@ class Lookup:
             plan.append(
                 Segment(part.child, part.start, part.end, is_async, support.mode, support.can_cut)
             )
-        self.counters.inc(fastest.PLAN_COUNTERS[min(len(plan), 2)])
-        return tuple(plan)
+        return tuple(plan) if plan else RECOMPUTE
 
     def decide(self, request: Request, local: int, record: LoadRecord | None) -> Answer:
         """The node's answer for ``request`` in any state, by ``plan``; recorded in the
-        ledger (a plain miss of a request without a record needs none)."""
+        ledger (a plain miss of a request without a record needs none).
+
+        A request still ``OWNED`` is asked again because vLLM did not allocate it (its
+        blocks did not fit, or the step's budget ran out: ``Scheduler.schedule`` keeps it
+        waiting): the plan it was given never started. It is priced without that plan (its
+        own planned async load is no queue in front of itself), and the same plan again is
+        counted as a repeat, not as a new lookup and hit."""
         req_id = request.request_id
+        repeat = record is not None and record.state is LoadState.OWNED
+        if repeat and self.costs is not None:
+            self.costs.forget(req_id)
         timed_out, excluded = deadline_and_exclusions(record, self.lookup_timeout_s)
         candidates = self.fixed_candidates or self.policy.candidates(request)
         trace: list[str] | None = [] if self.debug else None
@@ -357,13 +391,17 @@ class Lookup:
             return None, False
         for child in timeouts:
             self.counters.lookup_timeout(child)
-        self.counters.lookups += 1
         reason = candidates.reason
         if timeouts:
             reason += "+deadline"
         if excluded:
             reason += "+fallback"
-        tokens, is_async = self._record(req_id, found, reason, local, record)
+        counted = not (repeat and same_decision(record, found, local))  # type: ignore[arg-type]
+        if counted:
+            self.counters.lookups += 1
+        else:
+            self.counters.inc("lookup_repeats")
+        tokens, is_async = self._record(req_id, found, reason, local, record, counted=counted)
         if trace is not None:
             names = self.children.names
             if len(found) > 1:
@@ -383,12 +421,23 @@ class Lookup:
         return tokens, is_async
 
     def _record(
-        self, req_id: str, found: Plan, reason: str, local: int, record: LoadRecord | None
+        self,
+        req_id: str,
+        found: Plan,
+        reason: str,
+        local: int,
+        record: LoadRecord | None,
+        *,
+        counted: bool = True,
     ) -> tuple[int, bool]:
-        """The decided plan counted, its loads expected (``fastest``) and recorded in the
-        ledger (a plain miss of a request without a record needs none); vLLM's answer."""
-        for segment in found:
-            self.counters.hit(segment.child, segment.tokens)
+        """The decided plan counted (unless it repeats the last one: ``decide``), its loads
+        expected (``fastest``) and recorded in the ledger (a plain miss of a request without
+        a record needs none); vLLM's answer."""
+        if counted:
+            for segment in found:
+                self.counters.hit(segment.child, segment.tokens)
+            if self.costs is not None and (found or found is RECOMPUTE):
+                self.counters.inc(fastest.PLAN_COUNTERS[min(len(found), 2)])
         if self.costs is not None:
             self._expect(req_id, found)
         if len(found) > 1:

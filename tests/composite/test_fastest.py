@@ -339,3 +339,109 @@ def test_a_cold_childs_failed_probe_does_not_close_it_to_the_next_request(harnes
     h.run_until_idle()
     assert costs.loads[1].measured == 1 and not costs.expected
     h.assert_clean()
+
+
+def _answers_of(h: Any, req_id: str) -> list[tuple[int | None, bool]]:
+    """Record every answer the node gives vLLM for ``req_id`` (what the scheduler is told)."""
+    lookup = h.connector.scheduler_side.lookup
+    answers: list[tuple[int | None, bool]] = []
+    answer = lookup.answer
+
+    def recorded(request: Any, local: int) -> tuple[int | None, bool]:
+        out = answer(request, local)
+        if request.request_id == req_id:
+            answers.append(out)
+        return out
+
+    lookup.answer = recorded
+    return answers
+
+
+def _full_cache(harness: Any, children: Any, prefill: float = 1000.0) -> Any:
+    """A KV cache of 19 usable blocks of 16 tokens: a 200-token prompt takes 13, so a second
+    one waits for the first to finish, its allocation failing each step
+    (``Scheduler.schedule``: ``allocate_slots`` returns None, the request stays waiting and
+    is looked up again in the next step)."""
+    h = harness(fastest(*children, prefill=prefill), num_blocks=20)
+    frozen(h)
+    return h
+
+
+def test_a_request_whose_allocation_fails_gets_the_same_plan_each_step(harness):
+    """a (async, 50 ms) holds 160 tokens, b (sync, 0 ms) 64; computing runs 1,000 tokens/s:
+    a's 160 tokens (50 ms, then 40 computed) beat b's 64 (136 computed). r2's allocation fails
+    while r1 holds the cache; each step vLLM asks again. Its own planned load on a never
+    started, so it is no queue in front of itself: every answer is a's, and a loads once.
+    Priced with that phantom queue, the answers flipped between a's and b's plan, and the
+    last one before the allocation (b's) won."""
+    a = script("a", Behaviour(tokens=160, is_async=True), r1=Behaviour())
+    b = script("b", Behaviour(tokens=64), r1=Behaviour())
+    h = _full_cache(
+        harness,
+        [
+            native("a", expect_read={"latency_ms": 50.0, "gbps": 1000.0}),
+            native("b", expect_read={"latency_ms": 0.0, "gbps": 1000.0}),
+        ],
+    )
+    answers = _answers_of(h, "r2")
+    h.add_request(prompt(200, 70), max_tokens=5, request_id="r1")
+    h.step()
+    h.add_request(prompt(200, 71), max_tokens=1, request_id="r2")
+    h.run_until_idle()
+    assert len(answers) >= 3  # looked up again while r1 held the cache
+    assert set(answers) == {(160, True)}
+    assert allocs(a, "r2") == [160, 0] and set(allocs(b, "r2")) == {0}
+    totals = counters(h)
+    assert totals["lookups"] == 2  # r1's miss and r2's plan, once
+    assert totals["lookup_repeats"] == len(answers) - 1
+    assert totals["plans.load"] == 1 and totals["hits.a"] == 1
+    assert not h.connector.scheduler_side.costs.expected
+    h.assert_clean()
+
+
+def test_a_waiting_request_is_still_steered_away_from_another_requests_load(harness):
+    """The children of the test above; r1's load on a is in flight (three worker steps) and
+    holds the cache. r2, waiting for blocks, is priced behind r1's load on a (50 ms left):
+    b's plan, every step until r1's load is timed. Only a request's own unstarted plan is
+    left out of its price."""
+    a = script("a", Behaviour(tokens=160, is_async=True, load_steps=3))
+    b = script("b", Behaviour(tokens=64))
+    h = _full_cache(
+        harness,
+        [
+            native("a", expect_read={"latency_ms": 50.0, "gbps": 1000.0}),
+            native("b", expect_read={"latency_ms": 0.0, "gbps": 1000.0}),
+        ],
+    )
+    answers = _answers_of(h, "r2")
+    h.add_request(prompt(200, 74), max_tokens=5, request_id="r1")
+    h.step()
+    assert allocs(a, "r1") == [160]
+    h.add_request(prompt(200, 75), max_tokens=1, request_id="r2")
+    h.step()
+    h.step()
+    assert answers == [(64, False), (64, False)]  # behind r1's load on a, twice
+    assert allocs(b, "r2") == [] and counters(h)["lookup_repeats"] == 1
+    h.run_until_idle()
+    h.assert_clean()
+
+
+@pytest.mark.parametrize("policy", ["longest", "stitch"])
+def test_a_repeated_lookup_is_counted_as_a_repeat(harness, policy):
+    """A lookup vLLM repeats because the allocation failed counts once as a lookup and a
+    hit: the repeats are counted as such (longest and stitch, as fastest above)."""
+    a = script("a", Behaviour(tokens=160), r1=Behaviour())
+    tree = chain("root", native("a"), policy=policy)
+    h = harness(kvcompose_config(tree), num_blocks=20)
+    answers = _answers_of(h, "r2")
+    h.add_request(prompt(200, 72), max_tokens=5, request_id="r1")
+    h.step()
+    h.add_request(prompt(200, 73), max_tokens=1, request_id="r2")
+    h.run_until_idle()
+    assert len(answers) >= 3 and set(answers) == {(160, False)}
+    assert allocs(a, "r2") == [160]
+    totals = counters(h)
+    assert totals["lookups"] == 2  # r1's miss and r2's plan
+    assert totals["lookup_repeats"] == len(answers) - 1
+    assert totals["hits.a"] == 1 and totals["hit_tokens.a"] == 160
+    h.assert_clean()
