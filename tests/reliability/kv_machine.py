@@ -110,6 +110,7 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
         # running requests vLLM cut back for invalid blocks under async scheduling
         self.cut_back_async: set[str] = set()
         self.async_scheduling = False
+        self.last_answer: dict[str, tuple[Any, ...]] = {}  # req -> the root's last answer
 
     # ------------------------------------------------------------------ set-up
     @initialize(data=st.data())
@@ -159,6 +160,7 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
             # (hypothesis replays an example exactly: its decisions must not read the clock)
             self.h.connector.scheduler_side.costs.clock = frozen_clock
             self.h.worker_connector.worker_side.timer.clock = frozen_clock
+        self.watch_answers()
         STATS["examples"] += 1
         if fail_leaves:
             STATS["examples.on_error_fail"] += 1

@@ -111,7 +111,11 @@ class Checks:
     11. no leaf is allocated more tokens than its lookup answered;
     12. ``fastest``: no node awaits the time of an async load of a request that finished, or
         whose receive vLLM saw (a load not timed by its receive failed and never will be; a
-        cold child awaiting it takes no other request's load).
+        cold child awaiting it takes no other request's load);
+    13. a request looked up again before vLLM allocated it (its blocks did not fit, or the
+        step's budget ran out) gets the root's answer of the lookup before, unless a leaf
+        answered it differently or the root's own state moved meanwhile (a child out of
+        lookups, another request's load given out or timed: ``fastest``'s queues and lines).
     """
 
     h: Any
@@ -139,11 +143,70 @@ class Checks:
     last_hit: dict[tuple[str, str], int]
     cut_back_async: set[str]
     async_scheduling: bool
+    last_answer: dict[str, tuple[Any, ...]]
 
     def do_step(self) -> Any:
         raise NotImplementedError
 
     # -------------------------------------------------------------- observation
+    def watch_answers(self) -> None:
+        """(13) Hold every root answer against the one before for a request looked up again
+        before its allocation: the leaves' calls for it in each lookup, and the root's state
+        that prices a plan, must differ where the answer does."""
+        root = self.h.connector
+        lookup = root.scheduler_side.lookup
+        answer = lookup.answer
+
+        def watched(request: Any, local: int) -> Any:
+            rid = request.request_id
+            record = root.ledger.get(rid)
+            repeat = record is not None and record.state.value == "owned"
+            marks = {name: len(s.calls) for name, s in self.scripts.items()}
+            state = self.pricing_state(rid)
+            out = answer(request, local)
+            asked = tuple(
+                (name, call)
+                for name, s in self.scripts.items()
+                for call in s.calls[marks[name] :]
+                if call[0] in ("lookup", "hit", "raise")
+                and call[-1 if call[0] == "raise" else 1] == rid
+            )
+            before = self.last_answer.get(rid)
+            if repeat and before is not None and before[1:] == (local, asked, state):
+                check(
+                    out == before[0],
+                    f"{rid}: looked up again before its allocation, with the same answers "
+                    f"from every leaf, it got {out}, the lookup before {before[0]}",
+                )
+                STATS["lookups.repeated_same"] += 1
+            self.last_answer[rid] = (out, local, asked, state)
+            return out
+
+        lookup.answer = watched
+
+    def pricing_state(self, rid: str) -> tuple[Any, ...]:
+        """What the root's answer reads besides its leaves' answers: its children out of
+        lookups, the request's failed children, and (``fastest``) the lines, the prefill
+        speed and the loads awaiting their times of every other request."""
+        side = self.h.connector.scheduler_side
+        record = side.ledger.get(rid)
+        excluded = record.excluded if record is not None else frozenset()
+        costs = side.costs
+        if costs is None:
+            return (frozenset(side.guard.disabled), excluded)
+        lines = tuple(
+            (c.latency_s, c.tokens_per_s, c.measured, c.worst_tokens_per_s, c.last_tokens)
+            for c in costs.loads
+        )
+        waiting = frozenset(k for k in costs.expected if k[0] != rid)
+        return (
+            frozenset(side.guard.disabled),
+            excluded,
+            lines,
+            costs.prefill_tokens_per_s,
+            waiting,
+        )
+
     def scan(self) -> dict[str, set[tuple[str, bool]]]:
         """Read the leaves' new call records; returns this step's recv reports by request."""
         recv: dict[str, set[tuple[str, bool]]] = defaultdict(set)
