@@ -178,8 +178,8 @@ def test_vllm_args_json_round_trips(run_cli) -> None:
         data = json.loads(out)
         assert data["kv_connector"] == "KVCompose"
         assert data["kv_connector_module_path"] == "kvcompose"
-        assert data["kv_role"] == "kv_both"
         config = load_config(str(example), env={}, check_vllm=False)
+        assert data["kv_role"] == config.transfer["kv_role"]  # D's example: kv_consumer
         tree = tree_from_extra_config(data["kv_connector_extra_config"], env={}, check_vllm=False)
         # the same tree once the top-level fields are inherited from the vLLM config
         from kvcompose.config import child_transfer_config
