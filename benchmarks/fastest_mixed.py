@@ -1,4 +1,4 @@
-"""``policy: fastest`` where the best plan differs from request to request (issue 27's mixed
+"""``policy: fastest`` where the best plan differs from request to request (the mixed
 workload).
 
     flock /tmp/kvcompose-engine.lock .venv/bin/python benchmarks/fastest_mixed.py [bench flags]

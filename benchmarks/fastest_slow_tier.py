@@ -1,4 +1,4 @@
-"""``policy: fastest`` where a tier is slower than computing (issue 27's slow-tier comparison).
+"""``policy: fastest`` where a tier is slower than computing (the slow-tier comparison).
 
     flock /tmp/kvcompose-engine.lock .venv/bin/python benchmarks/fastest_slow_tier.py [bench flags]
 

@@ -1,4 +1,4 @@
-"""A fleet of engines behind a round-robin router, with a shared Mooncake Store tier (issue 30).
+"""A fleet of engines behind a round-robin router, with a shared Mooncake Store tier.
 
     flock /tmp/kvcompose-engine.lock .venv/bin/python benchmarks/fleet_shared_tier.py
 
@@ -15,7 +15,7 @@ count steady (saves are put in the background; this is the user's think time, in
 **Two conversations by default: one request per engine at a time**, so that a request's
 TTFT is its own load and prefill, not a wait behind the other request on its engine's one
 core (where the engine's compute and Mooncake's transfer threads also compete).
-``--conversations 4`` runs the loaded shape (results in ``results/fleet/four-conversations``).
+``--conversations 4`` runs the loaded shape.
 The master's lease on a read object is Mooncake's default, 10 s (``--lease-ms``); the test
 bed's 1 s makes a get that takes longer fail (``LEASE_EXPIRED``) and be recomputed.
 

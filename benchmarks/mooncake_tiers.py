@@ -1,5 +1,5 @@
-"""The Mooncake conversation trace through a small fast tier and a larger slow tier
-(issue 14): recompute, the slow tier alone, the fast tier alone (unbounded), fast + slow
+"""The Mooncake conversation trace through a small fast tier and a larger slow tier:
+recompute, the slow tier alone, the fast tier alone (unbounded), fast + slow
 ``first`` and ``longest``, with admission, with promotion, with both.
 
 **Scaling to two cores.** The trace has 12,031 requests over an hour; every request starts

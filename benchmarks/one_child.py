@@ -1,4 +1,4 @@
-"""A kvcompose chain of one child against that child called directly (issue 15 §2).
+"""A kvcompose chain of one child against that child called directly.
 
     flock /tmp/kvcompose-engine.lock .venv/bin/python benchmarks/one_child.py [bench args]
 

@@ -1,4 +1,4 @@
-"""Stitch against longest when the slow tier really is slow (issue 12, "Measured in bench").
+"""Stitch against longest when the slow tier really is slow.
 
     flock /tmp/kvcompose-engine.lock .venv/bin/python benchmarks/stitch_emulated.py
 

@@ -1,5 +1,4 @@
-"""The prefix store's load and save throughput against a plain copy of the same bytes
-(issue 15 §6 "Store loads near the memory-bandwidth limit").
+"""The prefix store's load and save throughput against a plain copy of the same bytes.
 
 No engine: the benchmark builds the store's worker half (:class:`PrefixStoreWorker`, the
 object the connector delegates to in a worker process) over layer caches shaped like the

@@ -1,5 +1,5 @@
 """Engine step time with the store's saves off, written in the step (sync), and written by
-the background writer (issue 15 §6, issue 14 "backpressure").
+the background writer.
 
 Each run is a fresh single-process vLLM CPU engine (the built-in benchmark model, block size
 128, local prefix cache off) with one PrefixStoreConnector on disk, in its own process. It

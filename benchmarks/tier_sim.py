@@ -1,4 +1,4 @@
-"""A trace-level simulator of ``mooncake_tiers.py``'s two store tiers (issue 14), no engine.
+"""A trace-level simulator of ``mooncake_tiers.py``'s two store tiers, no engine.
 
 It replays the same sampled, scaled requests (``mooncake_tiers.sample``/``scale``) through
 two chunk stores modelled as the PrefixStoreConnector behaves in a chain:

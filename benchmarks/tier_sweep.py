@@ -1,5 +1,5 @@
 """Admission rules for the fast tier, swept with ``tier_sim.py``'s model of
-``mooncake_tiers.py``'s two tiers (issue 14), and the model checked against the engine.
+``mooncake_tiers.py``'s two tiers, and the model checked against the engine.
 
 ``--validate``: simulated against measured per-tier hit tokens and bytes written, for every
 committed ``mooncake_tiers`` run. ``--sweep``: every rule of :func:`sweep_rules` on the

@@ -99,8 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         "-m",
         default=None,
-        help="builtin (default: a local 8-layer Llama built on first use), "
-        "tiny, or a local model directory",
+        help="builtin (default: a local 8-layer Llama built on first use), tiny, "
+        "builtin-hybrid or tiny-hybrid (sliding-window layers beside full attention: 2 KV "
+        "cache groups), or a local model directory",
     )
     add_flags(parser, EngineOptions, groups={None: engine})
     for params in (ChatParams, DocQAParams, NoReuseParams):

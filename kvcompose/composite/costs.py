@@ -280,9 +280,9 @@ class Costs:
         the shortest one already fits the line with a second size; if the time was rate
         instead, the probe's loss grows with its length. (At a fixed 4x, the slow-tier
         benchmark's disk tier, 160 ms for 128 tokens, took its second probe at 512 tokens in
-        580 ms, against about 300 ms computing them: benchmarks/results/fastest_slow_tier/
-        diagnosis.md.) Whether the child is probed again is unchanged: its line beats
-        computing at some length up to the cap exactly when it does at the cap."""
+        580 ms, against about 300 ms computing them.) Whether the child is probed again is
+        unchanged: its line beats computing at some length up to the cap exactly when it does
+        at the cap."""
         if not self.cold(child):
             return None
         load = self.loads[child]

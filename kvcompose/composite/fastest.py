@@ -20,24 +20,22 @@ left out (``Costs.usable``), and its segment, where it can be cut, ends at most
 ``Costs.probe_tokens`` after its start (rounded up to its alignment): its first times are
 bought with short loads.
 
-**A cold child's first probe is priced at nothing** (``Costs.free_probe``: a cold child none
-of whose loads has been timed, in a segment cut to its probe): it is bought to be timed, and
-its cost is bounded by ``Costs.probe_tokens``, one probe in flight at a time
-(``Costs.usable``), and only until the first time comes back (the second probe is priced by
-the line that time fitted, which reads the time as latency: a first probe ends the probing
-if that line loses to computing at every length up to the cap). Priced at the default
-prior (1 ms + 1 GB/s), the probe loses to the plan without it whenever another child reads
-its 128 tokens faster than that guess: in the fleet benchmark ``local[0,128) +
-shared[128,S)`` lost to ``shared[0,S)`` by 1-4 ms on every request, so the local tier was
-never loaded, never timed, and stayed cold (benchmarks/results/fleet/fastest-cde2727/
-diagnosis.md). Not the rate of the child that would otherwise load those tokens: the probe
-plan would then tie the plan without it, and whether it is taken would hang on the chain's
-order (ties go to the plan found first) and on rounding; a probe followed by computing would
-tie recompute and lose (found later), so a lone cold child would never be probed; and a
-segment's price would hang on the segment after it, which the walk's running sums (one
-addition a segment) cannot express. At nothing, a plan with the probe beats the same plan
-without it by what its tokens would cost otherwise, and the first request whose plan can
-include the child probes it.
+**A cold child's first probe is priced at nothing** (``Costs.free_probe``: a cold child none of
+whose loads has been timed, in a segment cut to its probe): it is bought to be timed, and its
+cost is bounded by ``Costs.probe_tokens``, one probe in flight at a time (``Costs.usable``),
+and only until the first time comes back (the second probe is priced by the line that time
+fitted, which reads the time as latency: a first probe ends the probing if that line loses to
+computing at every length up to the cap). Priced at the default prior (1 ms + 1 GB/s), the
+probe loses to the plan without it whenever another child reads its 128 tokens faster than that
+guess: in the fleet benchmark ``local[0,128) + shared[128,S)`` lost to ``shared[0,S)`` by 1-4
+ms on every request, so the local tier was never loaded, never timed, and stayed cold. Not the
+rate of the child that would otherwise load those tokens: the probe plan would then tie the
+plan without it, and whether it is taken would hang on the chain's order (ties go to the plan
+found first) and on rounding; a probe followed by computing would tie recompute and lose (found
+later), so a lone cold child would never be probed; and a segment's price would hang on the
+segment after it, which the walk's running sums (one addition a segment) cannot express. At
+nothing, a plan with the probe beats the same plan without it by what its tokens would cost
+otherwise, and the first request whose plan can include the child probes it.
 
 **The search** (``Planner.choose``) is a depth-first walk of the plans in one fixed order
 (recompute, then each child's segment from ``local`` in the chain's order, each followed by

@@ -268,7 +268,7 @@ def test_the_debug_decision_log_lists_every_plan_weighed(harness, caplog):
 
 
 def test_a_cold_child_is_probed_in_a_stitch_then_stitched_whole(harness):
-    """The fleet benchmark's trees (benchmarks/results/fleet/fastest-cde2727/diagnosis.md):
+    """The fleet benchmark's trees:
     ``local`` is cold (no ``expect_read``, a prefix store) and holds 160 tokens, ``shared``
     is warm and async (20 ms + 0.5 GB/s, slower a token than local's default prior) and
     holds 320. Local enters a plan only as a 128-token probe; priced at its prior
