@@ -52,7 +52,8 @@ RULES: dict[str, tuple[Aggregation, str]] = {
         "first / longest / route / fan-out picks "
         "one owner; its (n, async) goes up unchanged; "
         "stitch asks each able child where the earlier ones end and reports the total, "
-        "async if any segment is; (0, True) → (0, False)",
+        "async if any segment is; (0, True) → (0, False); on several KV cache groups a "
+        "sync load goes up as async (parked: its failure can then be reported by request)",
     ),
     "update_state_after_alloc": (
         Aggregation.OWNER_N_OTHERS_0,

@@ -1,8 +1,10 @@
 """The segments of one stitched load, and their state machine.
 
 A stitched load (``chain`` with ``policy: stitch``) reads one request's KV from several
-children, each its own token range. The scheduler half records one ``Segment`` per child that
-loads, in the request's ``LoadRecord`` (``kvcompose.composite.ledger``)::
+children, each its own token range. On several KV cache groups a parked sync load
+(``Ledger.park``) is a stitched load of one segment, so that it takes the stitched rounds and
+recovery. The scheduler half records one ``Segment`` per child that loads, in the request's
+``LoadRecord`` (``kvcompose.composite.ledger``)::
 
                   alloc: in the grant                       the receive
     PLANNED ──┬──────────────────────────▶ LOADING (async) ──┬──────────▶ LOADED
