@@ -101,6 +101,8 @@ _RELOOKUP_FROM = frozenset(
 
 
 _ALLOCATED = frozenset({LoadState.LOADING, LoadState.LOADED})
+#: Looked up and not allocated since: the lookup deadline's clock runs.
+_UNALLOCATED = frozenset({LoadState.PENDING, LoadState.OWNED})
 
 
 class LedgerError(RuntimeError):
@@ -199,9 +201,11 @@ class Ledger:
 
     def mark_pending(self, req_id: str, now: float) -> None:
         """A lookup could not decide yet (children answered ``None``). The deadline clock
-        starts at the first such answer since the request was last decided."""
+        starts at the first such answer since the request was last allocated: a request vLLM
+        asks again before allocating it (``OWNED``) keeps its clock, so a child that missed
+        the deadline is not waited for again."""
         record = self._for_lookup(req_id)
-        if record.state is not LoadState.PENDING or record.pending_since is None:
+        if record.state not in _UNALLOCATED or record.pending_since is None:
             record.pending_since = now
         record.state, record.owner, record.tokens = LoadState.PENDING, None, 0
 
@@ -219,7 +223,7 @@ class Ledger:
         record = self._for_lookup(req_id)
         record.state, record.owner, record.tokens = LoadState.OWNED, owner, tokens
         record.is_async, record.reason, record.local_tokens = is_async, reason, local_tokens
-        record.pending_since, record.load_blocks, record.segments = None, (), ()
+        record.load_blocks, record.segments = (), ()  # (``pending_since`` runs on: above)
         record.awaiting, record.lost_from, record.request, record.blocks = (), None, None, None
         return record
 
@@ -300,6 +304,7 @@ class Ledger:
                 }
             # vLLM parks the request whenever it granted tokens of an async answer, even
             # if the cut left only sync segments: the worker then signals their end itself
+        record.pending_since = None  # allocated: a later lookup's deadline starts afresh
         if num_external_tokens == 0:
             record.state = LoadState.NO_LOAD
         elif record.is_async:

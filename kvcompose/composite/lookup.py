@@ -113,15 +113,19 @@ def child_range_supports(tree: nodes.Composite) -> tuple[RangeSupport, ...]:
     )
 
 
+_UNALLOCATED = (LoadState.PENDING, LoadState.OWNED)
+
+
 def deadline_and_exclusions(
     record: LoadRecord | None, timeout_s: float
 ) -> tuple[bool, frozenset[int]]:
-    """Whether a pending request's lookup deadline has passed, and the children whose load
-    of it failed (skipped)."""
+    """Whether a request's lookup deadline has passed since it was last allocated (pending,
+    or decided and asked again: ``Ledger.mark_pending``), and the children whose load of it
+    failed (skipped)."""
     if record is None:
         return False, frozenset()
     timed_out = (
-        record.state is LoadState.PENDING
+        record.state in _UNALLOCATED
         and record.pending_since is not None
         and time.monotonic() - record.pending_since >= timeout_s
     )

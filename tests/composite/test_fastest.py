@@ -445,3 +445,23 @@ def test_a_repeated_lookup_is_counted_as_a_repeat(harness, policy):
     assert totals["lookup_repeats"] == len(answers) - 1
     assert totals["hits.a"] == 1 and totals["hit_tokens.a"] == 160
     h.assert_clean()
+
+
+def test_a_repeated_lookup_keeps_the_deadline_it_passed(harness):
+    """a never answers r2 (``None``); at the node's deadline b's 160 tokens are taken. r2's
+    allocation then fails while r1 holds the cache, and vLLM asks again each step: the
+    deadline a missed still stands, so every answer is b's. Restarting the clock at each
+    decision answered ``None`` and b's in turn."""
+    script("a", Behaviour(), r2=Behaviour(pending_lookups=1000))
+    b = script("b", Behaviour(tokens=160), r1=Behaviour())
+    tree = chain("root", native("a"), native("b"), policy="longest", lookup_timeout_s=1e-9)
+    h = harness(kvcompose_config(tree), num_blocks=20)
+    answers = _answers_of(h, "r2")
+    h.add_request(prompt(200, 76), max_tokens=5, request_id="r1")
+    h.step()
+    h.add_request(prompt(200, 77), max_tokens=1, request_id="r2")
+    h.run_until_idle()
+    assert answers[0] == (None, False) and len(answers) >= 4
+    assert set(answers[1:]) == {(160, False)}
+    assert allocs(b, "r2") == [160]
+    h.assert_clean()
