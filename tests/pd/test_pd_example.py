@@ -30,7 +30,8 @@ def test_example_configs(name: str, role: str, order: list[str]) -> None:
     assert config.tree.kind == "chain" and config.tree.policy == "first"
     assert [leaf.name for leaf in leaves(config.tree)] == order
     data = vllm_args(config)
-    assert data["kv_connector"] == "KVCompose" and data["kv_role"] == role
+    # NIXL and the prefix store both support vLLM's hybrid KV cache manager: hma auto
+    assert data["kv_connector"] == "KVComposeHMA" and data["kv_role"] == role
     assert data["kv_buffer_device"] == "cpu"
     if vllm_available():
         from vllm.config import KVTransferConfig
