@@ -11,16 +11,15 @@
 #            pytest-xdist workers
 #   KVCOMPOSE_TEST_WORKERS=N sets the worker count (default 2; 0 runs in this process)
 #   KVCOMPOSE_ENGINE_WORKERS=N runs the engine and P/D tests on N workers too, a module per
-#   worker (default 0, one at a time: 641 s serial against 530 s on two workers on a fresh
-#   clone on 2 cores, 2026-12-03, before engines started faster (462 s serial since); kept
-#   serial in CI, where one flaky timing costs a run)
+#   worker (default 0, one at a time: two workers save little on 2 cores, and CI keeps them
+#   serial, where one flaky timing costs a run)
 #
 # Usage: scripts/test.sh [pytest args...]
 #   scripts/test.sh                                 everything
 #   scripts/test.sh -m "not engine and not pd"      the fast subset, in both versions
 #   scripts/test.sh tests/test_bed_harness.py -x    one file
 #   KVCOMPOSE_TEST_WORKERS=0 scripts/test.sh -m "not engine and not pd"   in one process each
-# The inner loop (no engines, vLLM 0.32; 126-132 s on 2 cores, 2026-12-03): phase 1a without the
+# The inner loop (no engines, vLLM 0.32; about 3 minutes on 2 cores): phase 1a without the
 # tests marked vllm_process (each starts a process that imports vLLM, ~8 s of one core):
 #   .venv/bin/python -m pytest -m "not engine and not pd and not vllm_process" -n 2 --dist worksteal
 # A -m expression given here is combined with each part's own ("(EXPR) and not engine ...").
