@@ -357,12 +357,16 @@ def _answers_of(h: Any, req_id: str) -> list[tuple[int | None, bool]]:
     return answers
 
 
-def _full_cache(harness: Any, children: Any, prefill: float = 1000.0) -> Any:
-    """A KV cache of 19 usable blocks of 16 tokens: a 200-token prompt takes 13, so a second
-    one waits for the first to finish, its allocation failing each step
-    (``Scheduler.schedule``: ``allocate_slots`` returns None, the request stays waiting and
-    is looked up again in the next step)."""
-    h = harness(fastest(*children, prefill=prefill), num_blocks=20)
+def _full_cache(harness: Any) -> Any:
+    """a (async, 50 ms) and b (sync, 0 ms) under ``fastest``, computing 1,000 tokens/s, in a
+    KV cache of 19 usable blocks of 16 tokens: a 200-token prompt takes 13, so a second one
+    waits for the first to finish, its allocation failing each step (``Scheduler.schedule``:
+    ``allocate_slots`` returns None, the request stays waiting and is looked up again in the
+    next step)."""
+    read = {"gbps": 1000.0}
+    a = native("a", expect_read={"latency_ms": 50.0, **read})
+    b = native("b", expect_read={"latency_ms": 0.0, **read})
+    h = harness(fastest(a, b, prefill=1000.0), num_blocks=20)
     frozen(h)
     return h
 
@@ -376,13 +380,7 @@ def test_a_request_whose_allocation_fails_gets_the_same_plan_each_step(harness):
     last one before the allocation (b's) won."""
     a = script("a", Behaviour(tokens=160, is_async=True), r1=Behaviour())
     b = script("b", Behaviour(tokens=64), r1=Behaviour())
-    h = _full_cache(
-        harness,
-        [
-            native("a", expect_read={"latency_ms": 50.0, "gbps": 1000.0}),
-            native("b", expect_read={"latency_ms": 0.0, "gbps": 1000.0}),
-        ],
-    )
+    h = _full_cache(harness)
     answers = _answers_of(h, "r2")
     h.add_request(prompt(200, 70), max_tokens=5, request_id="r1")
     h.step()
@@ -406,13 +404,7 @@ def test_a_waiting_request_is_still_steered_away_from_another_requests_load(harn
     left out of its price."""
     a = script("a", Behaviour(tokens=160, is_async=True, load_steps=3))
     b = script("b", Behaviour(tokens=64))
-    h = _full_cache(
-        harness,
-        [
-            native("a", expect_read={"latency_ms": 50.0, "gbps": 1000.0}),
-            native("b", expect_read={"latency_ms": 0.0, "gbps": 1000.0}),
-        ],
-    )
+    h = _full_cache(harness)
     answers = _answers_of(h, "r2")
     h.add_request(prompt(200, 74), max_tokens=5, request_id="r1")
     h.step()
