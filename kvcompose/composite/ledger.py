@@ -102,7 +102,7 @@ _RELOOKUP_FROM = frozenset(
 
 _ALLOCATED = frozenset({LoadState.LOADING, LoadState.LOADED})
 #: Looked up and not allocated since: the lookup deadline's clock runs.
-_UNALLOCATED = frozenset({LoadState.PENDING, LoadState.OWNED})
+UNALLOCATED = frozenset({LoadState.PENDING, LoadState.OWNED})
 
 
 class LedgerError(RuntimeError):
@@ -205,7 +205,7 @@ class Ledger:
         asks again before allocating it (``OWNED``) keeps its clock, so a child that missed
         the deadline is not waited for again."""
         record = self._for_lookup(req_id)
-        if record.state not in _UNALLOCATED or record.pending_since is None:
+        if record.state not in UNALLOCATED or record.pending_since is None:
             record.pending_since = now
         record.state, record.owner, record.tokens = LoadState.PENDING, None, 0
 

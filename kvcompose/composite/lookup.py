@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from kvcompose import tree as nodes
 from kvcompose.composite import fastest
 from kvcompose.composite.costs import Costs
-from kvcompose.composite.ledger import LoadState
+from kvcompose.composite.ledger import UNALLOCATED, LoadState
 from kvcompose.composite.policies import Candidates, RouteLookup, policy_for
 from kvcompose.composite.segments import Segment
 from kvcompose.tree.ranges import RangeSupport, known_range_support
@@ -113,9 +113,6 @@ def child_range_supports(tree: nodes.Composite) -> tuple[RangeSupport, ...]:
     )
 
 
-_UNALLOCATED = (LoadState.PENDING, LoadState.OWNED)
-
-
 def deadline_and_exclusions(
     record: LoadRecord | None, timeout_s: float
 ) -> tuple[bool, frozenset[int]]:
@@ -125,7 +122,7 @@ def deadline_and_exclusions(
     if record is None:
         return False, frozenset()
     timed_out = (
-        record.state in _UNALLOCATED
+        record.state in UNALLOCATED
         and record.pending_since is not None
         and time.monotonic() - record.pending_since >= timeout_s
     )
