@@ -371,6 +371,17 @@ def _full_cache(harness: Any) -> Any:
     return h
 
 
+def _r2_waits_for_r1(h: Any, seed: int) -> list[tuple[int | None, bool]]:
+    """r1 (200 tokens, 5 out) takes the cache, then r2 (200 tokens) waits for it, looked up
+    each step; runs to the end and returns the node's answers for r2."""
+    answers = _answers_of(h, "r2")
+    h.add_request(prompt(200, seed), max_tokens=5, request_id="r1")
+    h.step()
+    h.add_request(prompt(200, seed + 1), max_tokens=1, request_id="r2")
+    h.run_until_idle()
+    return answers
+
+
 def test_a_request_whose_allocation_fails_gets_the_same_plan_each_step(harness):
     """a (async, 50 ms) holds 160 tokens, b (sync, 0 ms) 64; computing runs 1,000 tokens/s:
     a's 160 tokens (50 ms, then 40 computed) beat b's 64 (136 computed). r2's allocation fails
@@ -381,11 +392,7 @@ def test_a_request_whose_allocation_fails_gets_the_same_plan_each_step(harness):
     a = script("a", Behaviour(tokens=160, is_async=True), r1=Behaviour())
     b = script("b", Behaviour(tokens=64), r1=Behaviour())
     h = _full_cache(harness)
-    answers = _answers_of(h, "r2")
-    h.add_request(prompt(200, 70), max_tokens=5, request_id="r1")
-    h.step()
-    h.add_request(prompt(200, 71), max_tokens=1, request_id="r2")
-    h.run_until_idle()
+    answers = _r2_waits_for_r1(h, 70)
     assert len(answers) >= 3  # looked up again while r1 held the cache
     assert set(answers) == {(160, True)}
     assert allocs(a, "r2") == [160, 0] and set(allocs(b, "r2")) == {0}
@@ -425,11 +432,7 @@ def test_a_repeated_lookup_is_counted_as_a_repeat(harness, policy):
     a = script("a", Behaviour(tokens=160), r1=Behaviour())
     tree = chain("root", native("a"), policy=policy)
     h = harness(kvcompose_config(tree), num_blocks=20)
-    answers = _answers_of(h, "r2")
-    h.add_request(prompt(200, 72), max_tokens=5, request_id="r1")
-    h.step()
-    h.add_request(prompt(200, 73), max_tokens=1, request_id="r2")
-    h.run_until_idle()
+    answers = _r2_waits_for_r1(h, 72)
     assert len(answers) >= 3 and set(answers) == {(160, False)}
     assert allocs(a, "r2") == [160]
     totals = counters(h)
@@ -448,11 +451,7 @@ def test_a_repeated_lookup_keeps_the_deadline_it_passed(harness):
     b = script("b", Behaviour(tokens=160), r1=Behaviour())
     tree = chain("root", native("a"), native("b"), policy="longest", lookup_timeout_s=1e-9)
     h = harness(kvcompose_config(tree), num_blocks=20)
-    answers = _answers_of(h, "r2")
-    h.add_request(prompt(200, 76), max_tokens=5, request_id="r1")
-    h.step()
-    h.add_request(prompt(200, 77), max_tokens=1, request_id="r2")
-    h.run_until_idle()
+    answers = _r2_waits_for_r1(h, 76)
     assert answers[0] == (None, False) and len(answers) >= 4
     assert set(answers[1:]) == {(160, False)}
     assert allocs(b, "r2") == [160]
