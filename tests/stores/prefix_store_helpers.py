@@ -76,3 +76,19 @@ def statuses(llm: Any) -> dict[str, str]:
 
 def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def corrupt_store_files(path: Path) -> int:
+    """Overwrite every stored file under ``path`` with seeded noise of the same shapes (the
+    negative control: a load that reads them must change the output); returns the count."""
+    import safetensors.torch
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n = 0
+    for f in sorted(path.glob("*.safetensors")):
+        tensors = safetensors.torch.load_file(str(f))
+        noise = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in tensors.items()}
+        safetensors.torch.save_file(noise, str(f))
+        n += 1
+    return n

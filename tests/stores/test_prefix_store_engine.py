@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prefix_store_helpers import delta, ids, run, statuses, store_engine, worker_stats
+from prefix_store_helpers import (
+    corrupt_store_files,
+    delta,
+    ids,
+    run,
+    statuses,
+    store_engine,
+    worker_stats,
+)
 
 from kvcompose.stores import store_usage
 from kvcompose.testing import faulty_store
@@ -72,20 +80,6 @@ def test_store_then_prefix_reuse(populated_store, reference):
     assert rec["stats_b"]["chunks_saved"] == 1 and rec["usage_b"]["files"] == 7
 
 
-def _corrupt(path: Path) -> int:
-    import safetensors.torch
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    n = 0
-    for f in sorted(path.glob("*.safetensors")):
-        tensors = safetensors.torch.load_file(str(f))
-        noise = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in tensors.items()}
-        safetensors.torch.save_file(noise, str(f))
-        n += 1
-    return n
-
-
 def test_sync_reload_local_plus_store_fault_and_corruption(
     populated_store, reference, tiny_model_dir, tmp_path
 ):
@@ -126,7 +120,7 @@ def test_sync_reload_local_plus_store_fault_and_corruption(
 
         # (3) Negative control: random KV in the store changes the output, so the
         # loaded KV is really what attention reads.
-        assert _corrupt(store) == 7
+        assert corrupt_store_files(store) == 7
         assert llm.reset_prefix_cache()
         before = worker_stats(llm)
         out = run(llm, [("corrupt", PROMPT_A)])["corrupt"]

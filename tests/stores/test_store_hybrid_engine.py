@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prefix_store_helpers import BLOCK_SIZE, delta, ids, run, store_engine, worker_stats
+from prefix_store_helpers import (
+    BLOCK_SIZE,
+    corrupt_store_files,
+    delta,
+    ids,
+    run,
+    store_engine,
+    worker_stats,
+)
 
 from kvcompose.engine.llm import make_llm
 from kvcompose.engine.probe import scheduler
@@ -38,20 +46,6 @@ def _kv_cache(llm: Any) -> dict[str, Any]:
         "groups": sorted(type(g.kv_cache_spec).__name__ for g in cfg.kv_cache_groups),
         "num_blocks": cfg.num_blocks,
     }
-
-
-def _corrupt(path: Path) -> int:
-    import safetensors.torch
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    n = 0
-    for f in sorted(path.glob("*.safetensors")):
-        tensors = safetensors.torch.load_file(str(f))
-        noise = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in tensors.items()}
-        safetensors.torch.save_file(noise, str(f))
-        n += 1
-    return n
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +94,7 @@ def test_store_saves_then_loads_every_group(
         assert d["bytes_loaded"] == 8 * 2 * block
 
         # Negative control: noise in the stored files changes the output.
-        assert _corrupt(path) == 7
+        assert corrupt_store_files(path) == 7
         out = run(llm, [("noise", PROMPT_A)])["noise"]
         assert ids(out) != reference["a"]
 
