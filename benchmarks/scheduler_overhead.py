@@ -19,12 +19,10 @@ import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "results" / "overhead"
-#: Issue 15's goals for the in-connector time, and issue 27's for ``fastest``, as ratios within
-#: one run.
+#: The goals for the in-connector time and for ``fastest``, as ratios within one run.
 GOALS = (
     "Goals: kvcompose ≤ MultiConnector at 2 and 4 children; moonshot kvcompose ≤ 1.15x one "
-    "child called directly at 4 (issue 15); fastest ≤ 1.2x longest over children that hit "
-    "(issue 27)."
+    "child called directly at 4; fastest ≤ 1.2x longest over children that hit."
 )
 
 

@@ -198,27 +198,8 @@ def main() -> None:
         conv, synth = HERE / "results" / "mooncake_tiers", HERE / "results" / SYNTH_DIR
         lines = []
         for results in sorted(conv.glob("**/*results.json")):
-            if "before-gil-free" not in results.name:  # a writer since replaced
-                lines += [*validate(conv, results), ""]
-        lines += [
-            "Made before 270378c: the background stores evicted on the writer thread,",
-            "right after writing (simulated so); `first` failed two loads there.",
-            "",
-            *validate(synth, synth / "bench" / "results.json", "write"),
-            "",
-        ]
-        current = synth / "current-code"  # rerun after 270378c
-        if (current / "bench" / "results.json").exists():
-            lines += [*validate(current, current / "bench" / "results.json"), ""]
-        # first-rerun.md (fast 9,856 + slow 20,608 hit tokens, 792 MiB fast) kept no JSON.
-        reqs, cap = engine_sample(synth)
-        first = simulate(reqs, Config("first"), cap, as_bench=True)
-        lines.append(
-            f"`first` on the synthetic sample, current store (`{SYNTH_DIR}/first-rerun.md`): "
-            f"hit tokens fast {first['fast']['hit_tokens']:,}, slow "
-            f"{first['slow']['hit_tokens']:,}; fast tier "
-            f"{first['fast']['bytes_written'] / 2**20:,.0f} MiB written."
-        )
+            lines += [*validate(conv, results), ""]
+        lines += [*validate(synth, synth / "bench" / "results.json"), ""]
         text = "\n".join(lines)
         (args.out / "validation.md").write_text(text)
         print(text)
