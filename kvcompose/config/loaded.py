@@ -6,13 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcompose.config.compile import NodeInfo, Translate
+from kvcompose.config.compile import NodeInfo
 from kvcompose.config.errors import ConfigError, Path, located
+from kvcompose.config.paths import SAME, PathMap
 from kvcompose.tree import VERSION, Node
-
-
-def identity(path: Path) -> Path:
-    return path
 
 
 @dataclass(frozen=True)
@@ -38,7 +35,8 @@ class Config:
     #: When the input was a ``--kv-transfer-config``: its ``kv_connector`` and module path.
     loaded_as: tuple[str, str | None] | None = None
     linemap: Mapping[Path, int] | None = field(default=None, repr=False, compare=False)
-    translate: Translate = field(default=identity, repr=False, compare=False)
+    #: Where each document path is in the input that was read.
+    translate: PathMap = field(default=SAME, repr=False, compare=False)
     facts: Any = field(default=None, repr=False, compare=False)  # VllmFacts, when checked
 
     def error(self, path: Path, message: str) -> ConfigError:

@@ -11,12 +11,14 @@ Going back is possible when the tree is that shape: a ``first`` chain of leaves 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from kvcompose.config.errors import ConfigError, Path
 from kvcompose.config.extra_config import EXTRA_CONFIG
 from kvcompose.config.messages import LEAF_KEYS
+from kvcompose.config.paths import PathMap
 from kvcompose.config.source import Source
 from kvcompose.tree import (
     DEFAULT_LOOKUP_TIMEOUT_S,
@@ -34,7 +36,6 @@ COMPAT_MODULE = "kvcompose.compat"
 #: Document keys accepted next to ``connectors`` in the extra config.
 EXTRA_KEYS = ("strict", "hma")
 
-_FROM_LEAF = {v: k for k, v in LEAF_KEYS.items()}
 _KTC_KEY = "KVTransferConfig key"
 
 
@@ -44,8 +45,6 @@ def kv_transfer_fields() -> tuple[str, ...]:
 
     module = sys.modules.get("vllm.config.kv_transfer")
     if module is not None:
-        import dataclasses
-
         try:
             return tuple(f.name for f in dataclasses.fields(module.KVTransferConfig))
         except TypeError:  # pragma: no cover
@@ -54,15 +53,14 @@ def kv_transfer_fields() -> tuple[str, ...]:
 
 
 def document_from_multiconnector(
-    data: Mapping[str, Any], translate: Any, src: Source
-) -> tuple[dict[str, Any], Any]:
+    data: Mapping[str, Any], paths: PathMap, src: Source
+) -> tuple[dict[str, Any], PathMap]:
     """A kvcompose document from MultiConnector JSON (the whole ``--kv-transfer-config``
-    or just its extra config), and a function mapping document paths back to JSON paths."""
+    or just its extra config), and where its paths are in the JSON. ``paths`` places the
+    JSON in ``src``."""
 
     prefix: Path = (EXTRA_CONFIG,) if "kv_connector" in data else ()
-
-    def back(path: Path) -> Path:
-        return translate(_translate(path, prefix))
+    back = dataclasses.replace(paths, connectors_at=prefix)
 
     def fail(path: Path, message: str) -> ConfigError:
         return src.error(back(path), message)
@@ -79,14 +77,14 @@ def document_from_multiconnector(
         extra = data.get(EXTRA_CONFIG)
         if not isinstance(extra, Mapping) or "connectors" not in extra:
             message = f"expected a mapping with 'connectors', got {describe(extra)}"
-            raise src.error(translate(prefix), message)
+            raise src.error(paths(prefix), message)
         allowed = ["connectors", *EXTRA_KEYS]
     else:
         extra = data
         allowed = ["connectors", *EXTRA_KEYS, *TRANSFER_FIELDS, "transfer_config"]
     for key in extra:
         if key not in allowed:
-            raise src.error(translate((*prefix, key)), unknown(key, allowed))
+            raise src.error(paths((*prefix, key)), unknown(key, allowed))
         if key != "connectors":  # allowed: a document key
             doc[key] = extra[key]
     doc["tree"] = _chain(extra, fields, fail)
@@ -146,38 +144,6 @@ def _chain(extra: Mapping[str, Any], fields: tuple[str, ...], fail: Any) -> dict
                 _put_field(leaf, key, value)
         children.append({"leaf": leaf})
     return {"chain": {"policy": "first", "children": children}}
-
-
-def _translate(path: Path, prefix: Path) -> Path:
-    """``tree.chain.children[i].leaf.connector`` -> ``connectors[i].kv_connector``."""
-    if path[:2] != ("tree", "chain"):
-        if path[:1] == ("tree",):
-            return (*prefix, "connectors")
-        return path
-    out = prefix
-    rest = path[2:]
-    while rest:
-        if rest[0] != "children":
-            return out
-        out = (*out, "connectors")
-        if len(rest) < 2:
-            return out
-        out = (*out, rest[1])
-        rest = rest[2:]
-        if not rest:
-            return out
-        if rest[0] == "chain":
-            out = (*out, EXTRA_CONFIG)
-            rest = rest[1:]
-            continue
-        rest = rest[1:]  # "leaf"
-        if not rest:
-            return out
-        key = rest[0]
-        if key == "transfer_config":
-            return out + tuple(rest[1:2])
-        return (*out, _FROM_LEAF.get(key, key), *rest[1:])
-    return out
 
 
 # --------------------------------------------------------------------------- and back

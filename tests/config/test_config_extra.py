@@ -310,6 +310,19 @@ def test_os_environ_is_the_default(tree_file: str, monkeypatch: pytest.MonkeyPat
             {"KVCOMPOSE_SET": "kv_port=http"},
             "KVCOMPOSE_SET 'kv_port=http': kv_port: expected an integer",
         ),
+        # several overrides: the first at fault is named, whatever follows it
+        (
+            {"KVCOMPOSE_SET": "kv_port=http; disk.save=false"},
+            "KVCOMPOSE_SET 'kv_port=http': kv_port: expected an integer",
+        ),
+        (
+            {"KVCOMPOSE_SET": "disk.save=false; kv_port=http"},
+            "KVCOMPOSE_SET 'kv_port=http': kv_port: expected an integer",
+        ),
+        (
+            {"KVCOMPOSE_SET": "kv_port=http; nowhere.save=false"},
+            "KVCOMPOSE_SET 'kv_port=http': kv_port: expected an integer",
+        ),
         # values are read as files are: a repeated key is refused, a date is worded
         (
             {"KVCOMPOSE_SET": "ram.extra_config.x={a: 1, a: 2}"},
