@@ -327,7 +327,7 @@ def parse_contender(arg: str) -> ContenderDef:
             f"builtin:NAME with NAME in {', '.join(BUILTIN_CONTENDERS)})"
         )
     from kvcompose.config import ConfigError
-    from kvcompose.config.source import read_bytes
+    from kvcompose.config.files import read_bytes
 
     try:
         text = read_bytes(str(path)).decode("utf-8")  # bounded like any config file

@@ -70,8 +70,8 @@ def resolve(
     else:
         from kvcompose import tree as nodes
         from kvcompose.config import ConfigError, load_config
+        from kvcompose.config.files import parse_bytes
         from kvcompose.config.render import vllm_args
-        from kvcompose.config.source import parse_bytes
 
         try:
             # Read as the user's file (its name in messages, includes beside it); the store

@@ -80,7 +80,7 @@ def check_vllm(args: argparse.Namespace) -> bool | None:
 
 def load(args: argparse.Namespace, path: str) -> Config:
     if path == "-":
-        from kvcompose.config.source import read_stream
+        from kvcompose.config.files import read_stream
 
         stream = getattr(sys.stdin, "buffer", sys.stdin)
         source: Any = read_stream(stream)

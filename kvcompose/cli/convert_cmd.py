@@ -8,9 +8,9 @@ import os
 import sys
 
 from kvcompose.cli.common import FILE_HELP, add_load_flags, emit, load
+from kvcompose.config.files import read_file
 from kvcompose.config.multiconnector import document_notes, multiconnector_from_config
 from kvcompose.config.render import document_from_tree, simplify_document, to_yaml
-from kvcompose.config.source import read_file
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvcompose.config import known
-from kvcompose.config.document import document_dict
+from kvcompose.config.document_form import document_dict
 from kvcompose.config.errors import ConfigError, ErrorItem, Path, located, shown_list
 from kvcompose.config.messages import items_from_validation
 from kvcompose.tree import (

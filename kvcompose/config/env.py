@@ -27,10 +27,10 @@ from typing import Any
 
 import yaml
 
-from kvcompose.config import reader
-from kvcompose.config.document import node_bodies
+from kvcompose.config import parse
+from kvcompose.config.document_form import node_bodies
 from kvcompose.config.errors import ConfigError, shown_list
-from kvcompose.config.plain import check_plain
+from kvcompose.config.walk import check_plain
 from kvcompose.tree import TRANSFER_FIELDS
 from kvcompose.tree.messages import did_you_mean, shown
 
@@ -50,15 +50,15 @@ class Override:
 
 
 def parse_value(text: str, source: str) -> Any:
-    """A YAML value read as files are (``reader``; a repeated key is refused); text YAML
+    """A YAML value read as files are (``parse``; a repeated key is refused); text YAML
     cannot read is taken as it is."""
     try:
-        read = reader.read(text)
+        read = parse.read(text)
     except (yaml.YAMLError, RecursionError):
         return text
     if read is None:
         return None
-    check_plain(read[0], source, marks=reader.Marks(duplicates=read[1].duplicates))
+    check_plain(read[0], source, marks=parse.Marks(duplicates=read[1].duplicates))
     return read[0]
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from kvcompose.config.env import ENV_CONFIG_FILE, Override, mapping_overrides
 from kvcompose.config.errors import Path, shown_list
+from kvcompose.config.files import Source
 from kvcompose.config.include import Referrer, including
-from kvcompose.config.source import Source
 from kvcompose.tree import NODE_KINDS, describe
 from kvcompose.tree.messages import format_path
 

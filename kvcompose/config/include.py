@@ -17,8 +17,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from kvcompose.config.errors import ConfigError, Path, located
+from kvcompose.config.files import Source, parse_bytes, read_bytes
 from kvcompose.config.limits import MAX_INCLUDE_DEPTH
-from kvcompose.config.source import Source, parse_bytes, read_bytes
 
 _LOADING: ContextVar[tuple[str, ...]] = ContextVar("kvcompose_config_loading", default=())
 

@@ -22,7 +22,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvcompose.config.compile import Compiled, NodeInfo, check_tree, compile_document
-from kvcompose.config.document import document_from_tree
+from kvcompose.config.config import Config
+from kvcompose.config.document_form import document_from_tree
 from kvcompose.config.env import (
     Override,
     apply_override,
@@ -31,12 +32,11 @@ from kvcompose.config.env import (
 )
 from kvcompose.config.errors import ConfigError, ErrorItem, Path, line_for
 from kvcompose.config.extra_config import EXTRA_CONFIG, opened, split_extra
+from kvcompose.config.files import Source, gc_paused
 from kvcompose.config.include import including
-from kvcompose.config.loaded import Config
 from kvcompose.config.messages import items_from_validation
 from kvcompose.config.paths import SAME, PathMap
-from kvcompose.config.plain import check_plain
-from kvcompose.config.source import Source, gc_paused
+from kvcompose.config.walk import check_plain
 from kvcompose.tree import (
     NODE_KINDS,
     TRANSFER_FIELDS,

@@ -17,9 +17,9 @@ from typing import Any
 
 from kvcompose.config.errors import ConfigError, Path
 from kvcompose.config.extra_config import EXTRA_CONFIG
+from kvcompose.config.files import Source
 from kvcompose.config.messages import LEAF_KEYS
 from kvcompose.config.paths import PathMap
-from kvcompose.config.source import Source
 from kvcompose.tree import (
     DEFAULT_LOOKUP_TIMEOUT_S,
     KNOWN_KV_TRANSFER_FIELDS,

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from kvcompose.config.document import document_from_tree, node_bodies
+from kvcompose.config.document_form import document_from_tree, node_bodies
 from kvcompose.config.errors import ConfigError
 from kvcompose.config.load import Config
 from kvcompose.tree import TRANSFER_FIELDS, VERSION

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvcompose.config.errors import ConfigError, ErrorItem, located
-from kvcompose.config.source import read_file
+from kvcompose.config.files import read_file
 from kvcompose.tree.messages import Wording
 
 
@@ -96,7 +96,7 @@ def base_url(url: str) -> str:
 def load_proxy_config(path: str | Path | None = None, **overrides: Any) -> ProxyConfig:
     """The YAML file at ``path`` (if any) with ``overrides`` (CLI flags; ``None`` = unset).
 
-    The file is read like a kvcompose config (``kvcompose.config.source``: size-bounded,
+    The file is read like a kvcompose config (``kvcompose.config.files``: size-bounded,
     UTF-8, duplicate keys refused, lines kept); every problem is a ``ConfigError`` whose
     message is one line naming the file, the line and the key."""
     data: dict[str, Any] = {}

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvcompose import tree as nodes
 from kvcompose.config import ConfigError, effective_saves, load_config, load_tree
-from kvcompose.config.document import document_from_tree
+from kvcompose.config.document_form import document_from_tree
 
 TIERS = """\
 version: 1

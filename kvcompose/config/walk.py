@@ -2,7 +2,7 @@
 
 Whatever reaches ``vllm-args`` must be JSON (vLLM passes the config on as JSON), and nothing
 may make validation recurse without end or expand without bound. The same walk checks data
-read from YAML or JSON text (``reader``: its ``NotJson`` markers and repeated keys are
+read from YAML or JSON text (``parse``: its ``NotJson`` markers and repeated keys are
 reported here, at their path and line) and data handed over in Python (a
 ``kv_connector_extra_config``, a dict given to ``load_config``, an override value).
 
@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from kvcompose.config.errors import ConfigError, ErrorItem, LineMap, Path
 from kvcompose.config.limits import MAX_ALIAS_NODES, MAX_DEPTH, MAX_INT_DIGITS
-from kvcompose.config.reader import NOT_FINITE, TOO_DEEP, TOO_MANY_DIGITS, Marks, NotJson
+from kvcompose.config.parse import NOT_FINITE, TOO_DEEP, TOO_MANY_DIGITS, Marks, NotJson
 from kvcompose.tree import describe
 from kvcompose.tree.messages import key_not_string, shown
 

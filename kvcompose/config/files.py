@@ -2,8 +2,8 @@
 
 Files and standard input take the same road: bytes (at most ``MAX_FILE_BYTES``), UTF-8 with
 or without a BOM (a bad byte or a NUL is reported with its line), then one parse
-(``reader``: YAML, or JSON for ``.json`` files and standard input that starts as a JSON
-object) and one walk (``plain.check_plain``) that refuses what is not plain JSON and maps
+(``parse``: YAML, or JSON for ``.json`` files and standard input that starts as a JSON
+object) and one walk (``walk.check_plain``) that refuses what is not plain JSON and maps
 each path to its line.
 """
 
@@ -23,10 +23,10 @@ from typing import IO, Any
 
 import yaml
 
-from kvcompose.config import limits, reader
+from kvcompose.config import limits, parse
 from kvcompose.config.errors import ConfigError, ErrorItem, LineMap, Path, located
 from kvcompose.config.limits import MAX_FILE_BYTES, size_text
-from kvcompose.config.plain import check_plain
+from kvcompose.config.walk import check_plain
 from kvcompose.tree import describe
 
 STDIN = "<stdin>"
@@ -148,11 +148,11 @@ def parse_bytes(
     json = kind == "json" if kind else bool(_JSON_START.match(text))
     with gc_paused():
         try:
-            read = reader.read(text, json)
+            read = parse.read(text, json)
         except yaml.YAMLError as exc:
             raise ConfigError(_syntax_error(exc, text, "JSON" if json else "YAML"), label) from None
         except RecursionError:
-            raise ConfigError(reader.TOO_DEEP, label) from None
+            raise ConfigError(parse.TOO_DEEP, label) from None
         if read is None:
             raise ConfigError("empty document", label)
         data, marks = read
@@ -206,7 +206,7 @@ def _syntax_error(exc: yaml.YAMLError, text: str, kind: str) -> ErrorItem:
     problem = getattr(exc, "problem", None) or str(exc)
     line = mark.line + 1 if mark is not None else None
     if "maximum nesting depth" in problem:  # libyaml's own limit (1000)
-        return ErrorItem((), reader.TOO_DEEP, line)
+        return ErrorItem((), parse.TOO_DEEP, line)
     found = text[mark.index] if mark is not None and mark.index < len(text) else " "
     parsing = not isinstance(exc, yaml.constructor.ConstructorError)
     if parsing and "'" not in problem and not found.isspace():  # libyaml does not say it

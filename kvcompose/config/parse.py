@@ -1,4 +1,4 @@
-"""Reading YAML and JSON text into data and the line of every key and item, in one parse.
+"""Parsing YAML and JSON text into data and the line of every key and item, in one parse.
 
 libyaml composes the text (``yaml.CSafeLoader``; PyYAML's own parser when libyaml is
 missing) and PyYAML's safe constructor builds the data, sharing what aliases share and
@@ -11,7 +11,7 @@ config needs changed:
 - what is not JSON (dates, ``!!binary``, sets, unknown tags, ``.nan``, keys that are not
   strings, integers too long to convert) becomes a ``NotJson`` marker in the data.
 
-Nothing is refused here that needs a path: ``plain.check_plain`` walks the data once, maps
+Nothing is refused here that needs a path: ``walk.check_plain`` walks the data once, maps
 each path to its line, and reports the markers, depth, aliases and duplicates.
 
 JSON is YAML's flow style with JSON's scalars, so ``JsonLoader`` reads it with the same
@@ -50,7 +50,7 @@ _NOT_JSON = {
     "pairs": "a !!pairs list",
 }
 _PLAIN_JSON = "kvcompose configs hold plain JSON"
-#: The refusals ``plain`` words the same way for data handed over in Python.
+#: The refusals ``walk`` words the same way for data handed over in Python.
 TOO_MANY_DIGITS = f"integer is too large (more than {MAX_INT_DIGITS} digits)"
 NOT_FINITE = "is not a JSON value (NaN and infinities have no JSON form)"
 TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep"
