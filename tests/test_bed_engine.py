@@ -25,7 +25,7 @@ def _corrupt(files, seed: int = 1234) -> None:
 
 
 def test_example_connector_store_reload_and_negative_control(tiny_model, tmp_path):
-    from kvcompose.testing.engine import (
+    from kvcompose.testing.real_engine import (
         example_connector_config,
         example_prompts,
         greedy,
@@ -62,7 +62,7 @@ def test_example_connector_store_reload_and_negative_control(tiny_model, tmp_pat
 
 def test_engines_run_back_to_back_in_one_process(tiny_model):
     """make_llm tears an engine down so the next starts cleanly (the suite relies on it)."""
-    from kvcompose.testing.engine import example_prompts, greedy, make_llm
+    from kvcompose.testing.real_engine import example_prompts, greedy, make_llm
 
     prompts = example_prompts(1, 40)
     with make_llm(tiny_model) as llm:

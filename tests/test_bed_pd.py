@@ -12,8 +12,8 @@ MAX_TOKENS = 8
 
 def test_nixl_prefill_decode_matches_single_engine(tiny_model):
     pytest.importorskip("nixl")
-    from kvcompose.testing.engine import example_prompts, greedy, make_llm
     from kvcompose.testing.pd import PDPair
+    from kvcompose.testing.real_engine import example_prompts, greedy, make_llm
 
     prompts = example_prompts(2, 200)
     with make_llm(tiny_model) as llm:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvcompose.introspect import node_stats, scheduler_connector
-from kvcompose.testing.engine import greedy, make_llm
+from kvcompose.testing.real_engine import greedy, make_llm
 from kvcompose.testing.trees import (
     chain,
     example_leaf,

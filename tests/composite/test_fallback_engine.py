@@ -11,7 +11,7 @@ import pytest
 from kvcompose.engine.llm import generate_by_id
 from kvcompose.introspect import node_stats, scheduler_connector
 from kvcompose.testing import faulty_store
-from kvcompose.testing.engine import make_llm
+from kvcompose.testing.real_engine import make_llm
 from kvcompose.testing.trees import chain, kvcompose_config, prefix_store_leaf
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]

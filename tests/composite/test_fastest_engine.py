@@ -15,7 +15,7 @@ import pytest
 
 from kvcompose.engine.llm import generate_by_id
 from kvcompose.engine.probe import scheduler, scheduler_connector
-from kvcompose.testing.engine import make_llm
+from kvcompose.testing.real_engine import make_llm
 from kvcompose.testing.trees import chain, kvcompose_config, prefix_store_leaf
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]

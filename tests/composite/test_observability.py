@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from kvcompose.introspect import node_stats
-from kvcompose.testing.engine import greedy, make_llm
+from kvcompose.testing.real_engine import greedy, make_llm
 from kvcompose.testing.trees import chain, example_leaf, kvcompose_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompose.testing.engine import engine_env
+from kvcompose.testing.real_engine import engine_env
 
 engine_env()
 

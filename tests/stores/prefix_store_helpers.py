@@ -9,7 +9,7 @@ from typing import Any
 
 from kvcompose.engine.llm import generate_by_id
 from kvcompose.engine.probe import scheduler
-from kvcompose.testing.engine import make_llm
+from kvcompose.testing.real_engine import make_llm
 
 #: The CPU attention backend needs block sizes that are multiples of 32 (16 is rejected;
 #: the CPU default is 128).

@@ -1,6 +1,6 @@
 """Real vLLM engines for the tests (``kvcompose.engine.llm``), and the engine smoke run.
 
-Run ``python -m kvcompose.testing.engine --smoke`` for an end-to-end check: build the tiny
+Run ``python -m kvcompose.testing.real_engine --smoke`` for an end-to-end check: build the tiny
 model, store KV with vLLM's ExampleConnector, reload it in a fresh engine, compare outputs.
 """
 
@@ -90,7 +90,7 @@ def smoke(model_dir: str | os.PathLike[str] | None = None, *, max_tokens: int = 
 def _main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m kvcompose.testing.engine")
+    ap = argparse.ArgumentParser(prog="python -m kvcompose.testing.real_engine")
     ap.add_argument(
         "--smoke",
         action="store_true",
