@@ -7,8 +7,8 @@ The corpus in ``hostile/`` holds the small cases, each with its expected message
 case ends with ``# expect: MESSAGE``, a JSON case has ``NAME.json.expect``; ``{file}`` is
 the file's name, the tests run in that directory). Large and binary inputs are generated
 here: bombs, huge files, includes, huge integers, the internal form. Values that must be
-refused and the wording of messages are in ``test_config_hostile_messages.py``; the cases
-that import connector modules are in ``test_config_hostile_vllm.py``.
+refused and the wording of messages are in ``test_hostile_messages.py``; the cases
+that import connector modules are in ``test_hostile_vllm.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hostile input, continued (see ``test_config_hostile.py``): values a config must not
+"""Hostile input, continued (see ``test_hostile.py``): values a config must not
 hold, and messages that must be right and short, through ``load_config``,
 ``tree_from_extra_config`` and the CLI as a process."""
 
