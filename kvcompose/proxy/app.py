@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
@@ -41,35 +41,10 @@ from kvcompose.proxy.openai_api import (
     generation_request,
 )
 from kvcompose.proxy.transport import BackendError, Transport
+from kvcompose.sse import SSEResponse
 
 log = logging.getLogger("kvcompose.proxy")
 T = TypeVar("T")
-
-
-class SSEResponse(StreamingResponse):
-    """A stream that notices the client leaving while the proxy waits on a backend (not
-    only at its next write) and always closes its generator, so that the backend request
-    is closed (vLLM aborts it) and a prepared hand-off is released."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):
-                        await self.stream_response(send)
-                    tg.cancel_scope.cancel()
-
-                async def listen() -> None:
-                    await self.listen_for_disconnect(receive)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                tg.start_soon(listen)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
 
 
 def create_app(config: ProxyConfig, *, http_client: httpx.AsyncClient | None = None) -> FastAPI:

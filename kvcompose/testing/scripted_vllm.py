@@ -35,7 +35,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvcompose.proxy.app import SSEResponse
+from kvcompose.sse import SSEResponse
 
 MODEL = "scripted-tiny"
 ROLE_IDS = {"system": 1001, "user": 1002, "assistant": 1003}
