@@ -73,18 +73,34 @@ def write(path: Path, data: dict[str, object]) -> str:
 
 @pytest.mark.vllm_process
 @pytest.mark.timeout(300)
-def test_a_module_that_exits_on_import(modules: Path) -> None:
-    message = (
-        "kv_connector_extra_config: tree.leaf.module_path: cannot import module "
-        "'kvc_hostile_exits': it calls sys.exit(0) on import"
-    )
+@pytest.mark.parametrize(
+    ("connector", "module", "problem"),
+    [
+        (
+            "C",
+            "kvc_hostile_exits",
+            "tree.leaf.module_path: cannot import module 'kvc_hostile_exits': it calls "
+            "sys.exit(0) on import",
+        ),
+        (
+            "Namespace",
+            "kvc_hostile_namespace",
+            "tree.leaf.connector: kvc_hostile_namespace.Namespace is not a vLLM KV connector "
+            "(not a subclass of KVConnectorBase_V1)",
+        ),
+    ],
+    ids=["a-module-that-exits-on-import", "a-class-that-is-no-connector"],
+)
+def test_a_connector_vllm_cannot_build(
+    modules: Path, connector: str, module: str, problem: str
+) -> None:
     with pytest.raises(ConfigError) as info:
-        tree_from_extra_config(leaf_config("C", "kvc_hostile_exits"), env={}, check_vllm=True)
-    assert str(info.value) == message
-    name = write(modules / "exits.json", leaf_config("C", "kvc_hostile_exits"))
+        tree_from_extra_config(leaf_config(connector, module), env={}, check_vllm=True)
+    assert str(info.value) == f"kv_connector_extra_config: {problem}"
+    name = write(modules / f"{module}.json", leaf_config(connector, module))
     assert_clean_error(
         cli("validate", "--check-vllm", name, cwd=modules, pythonpath=(str(modules),)),
-        message.replace("kv_connector_extra_config", f"{name}:1"),
+        f"{name}:1: {problem}",
     )
 
 
@@ -101,25 +117,6 @@ def test_a_module_that_prints_on_import_leaves_stdout_clean(modules: Path) -> No
         json.loads(out)["kv_connector_extra_config"]["tree"]["leaf"]["connector"] == "LoudConnector"
     )
     assert "hello from an import" in err
-
-
-@pytest.mark.vllm_process
-@pytest.mark.timeout(300)
-def test_a_class_that_is_no_connector(modules: Path) -> None:
-    message = (
-        "tree.leaf.connector: kvc_hostile_namespace.Namespace is not a vLLM KV "
-        "connector (not a subclass of KVConnectorBase_V1)"
-    )
-    with pytest.raises(ConfigError) as info:
-        tree_from_extra_config(
-            leaf_config("Namespace", "kvc_hostile_namespace"), env={}, check_vllm=True
-        )
-    assert str(info.value) == f"kv_connector_extra_config: {message}"
-    name = write(modules / "namespace.json", leaf_config("Namespace", "kvc_hostile_namespace"))
-    assert_clean_error(
-        cli("validate", "--check-vllm", name, cwd=modules, pythonpath=(str(modules),)),
-        f"{name}:1: {message}",
-    )
 
 
 def test_a_connector_that_exits_while_checked(modules: Path) -> None:
