@@ -1,12 +1,13 @@
 """From user input (files, dicts, ``kv_connector_extra_config``) to a validated tree.
 
-Every input becomes one kvcompose document, compiled once. ``shape_of`` tells the input's
-shape from its keys, in this one place, and ``FORMS`` says for each shape how it becomes a
+Every input becomes one kvcompose document, compiled in one place (``_load``). ``shape_of``
+tells the input's shape from its keys, and ``FORMS`` says for each shape how it becomes a
 document and where the document's paths are in the input (a ``PathMap``). Two shapes carry
 a document rather than being one, inline or in a file: a KVCompose ``--kv-transfer-config``
 and a ``kv_connector_extra_config``; the document they carry is read like any other.
-Overrides (the environment's, then the extra config's keys, then the caller's) apply to
-the compiled document, which is validated once more, after all of them.
+Overrides (the environment's, then the extra config's keys, then the caller's) address
+nodes by name, so they apply to the compiled document (every node named), which is then
+validated once more, after all of them.
 """
 
 from __future__ import annotations
