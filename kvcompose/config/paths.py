@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcompose.config.errors import Path
-from kvcompose.config.extra_config import EXTRA_CONFIG
 from kvcompose.config.messages import LEAF_KEYS
 
 _FROM_LEAF = {v: k for k, v in LEAF_KEYS.items()}
+#: Where a nested MultiConnector keeps its ``connectors``: its leaf's extra config.
+_NESTED = _FROM_LEAF["extra_config"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def connectors_path(path: Path, prefix: Path) -> Path:
         if not rest:
             return out
         if rest[0] == "chain":
-            out = (*out, EXTRA_CONFIG)
+            out = (*out, _NESTED)
             rest = rest[1:]
             continue
         rest = rest[1:]  # "leaf"
