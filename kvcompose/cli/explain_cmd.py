@@ -10,7 +10,7 @@ from rich.tree import Tree
 
 from kvcompose.cli.common import FILE_HELP, add_load_flags, console, load
 from kvcompose.cli.explain_tiers import hybrid_line, tier_lines
-from kvcompose.composite.costs import PROBE_GROWTH, PROBE_TOKENS, PROBES
+from kvcompose.composite.policies.fastest.costs import PROBE_GROWTH, PROBE_TOKENS, PROBES
 from kvcompose.config import Config, effective_saves, known
 from kvcompose.config.compile import PARAMS_PRODUCERS
 from kvcompose.config.render import MODULE_PATH, composite_class

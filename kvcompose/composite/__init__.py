@@ -5,9 +5,10 @@ Split by role like vLLM's larger connectors:
 - ``node``: ``CompositeConnector`` / ``CompositeConnectorHMA``, the facade vLLM calls; it
   builds the children and the half its role needs, and forwards every connector member;
 - ``scheduler``: the scheduler half (lookup policy, ownership ledger, per-step loads and sends,
-  finish accounting); ``ledger``: its per-request state machines; ``policies``: chain,
-  fan-out and route candidates; ``lookup``: the lookup rule; ``output_routing``: each
-  child's view of a step's output;
+  finish accounting); ``ledger``: its per-request state machines; ``lookup``: asking the
+  children, guarding and recording; ``policies``: what a lookup policy decides (first,
+  longest, stitch, fastest; route's choice); ``output_routing``: each child's view of a
+  step's output;
 - ``worker``: the worker half (owner-filtered completion signals, per-child failure
   containment);
 - ``children`` (building and calling children), ``transfer`` (each child's

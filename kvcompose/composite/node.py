@@ -12,7 +12,7 @@ half its role needs,
 and forwards every member of vLLM's ``KVConnectorBase_V1`` to the half that implements it, by
 the rule written once in ``kvcompose.composite.rules`` (the drift test checks the two stay in
 step). Members called on both sides (stats, shutdown) and class-level members live here. What
-makes chain, fan-out and route differ is only the lookup policy (``policies.py``).
+makes chain, fan-out and route differ is only the lookup policy (``policies``).
 
 Each forwarded member is declared once below as a ``scheduler_member()`` or ``worker_member()``;
 at construction the instance binds the half's own method in its place, so the split adds no
@@ -45,6 +45,7 @@ from kvcompose.composite.children import (
 from kvcompose.composite.guard import Guard
 from kvcompose.composite.ledger import Ledger
 from kvcompose.composite.metadata import CompositeMetadata
+from kvcompose.composite.policies.factory import policy_class
 from kvcompose.composite.scheduler import CompositeScheduler
 from kvcompose.composite.stats import ComposedStats, NodeCounters, build_composed_prom_metrics
 from kvcompose.composite.transfer import child_transfer_dict
@@ -184,8 +185,8 @@ class CompositeConnector(KVConnectorBase_V1):
             )
             self._bind_members("scheduler_side")
         else:
-            fastest = isinstance(self.spec, nodes.Chain) and self.spec.policy == "fastest"
-            self.worker_side = CompositeWorker(self.name, self.children, timed=fastest)
+            timed = policy_class(self.spec).times_loads  # ``fastest`` prices loads by their times
+            self.worker_side = CompositeWorker(self.name, self.children, timed=timed)
             self._bind_members("worker_side")
 
     def _bind_members(self, side: str) -> None:

@@ -30,13 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvcompose import tree as nodes
 from kvcompose.composite.children import Children
-from kvcompose.composite.costs import Costs
 from kvcompose.composite.finishes import Finishes
 from kvcompose.composite.forwarding import SchedulerForwarding
 from kvcompose.composite.ledger import Ledger, LoadState
 from kvcompose.composite.lookup import Lookup
 from kvcompose.composite.metadata import ComposedWorkerMeta, CompositeMetadata
 from kvcompose.composite.output_routing import OutputRouter
+from kvcompose.composite.policies.factory import build_policy
 from kvcompose.composite.stats import NodeCounters
 from kvcompose.composite.stitch import StitchPlanner
 from kvcompose.composite.transfer_params import merge_params
@@ -86,18 +86,15 @@ class CompositeScheduler(SchedulerForwarding):
         )
         self.ledger = Ledger()
         self._ledger_ids = self.ledger.ids
-        fastest = isinstance(tree, nodes.Chain) and tree.policy == "fastest"
-        self.costs = Costs.for_tree(tree, vllm_config) if fastest else None  # type: ignore[arg-type]
-        self.lookup = Lookup(
-            name,
+        policy = build_policy(
             tree,
-            children,
-            counters,
-            self.ledger,
             self.block_size,
+            counters,
             ask_every_child=ask_every_child,
-            costs=self.costs,
+            vllm_config=vllm_config,
         )
+        self.costs = policy.costs  # (``fastest``'s cost model; None for other policies)
+        self.lookup = Lookup(name, tree, children, counters, self.ledger, self.block_size, policy)
         self.stitches = StitchPlanner(
             self.lookup, base_hit_sources, block_level_failures=num_kv_groups <= 1
         )

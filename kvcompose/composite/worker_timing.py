@@ -7,7 +7,7 @@
 
 The times go to the scheduler half in ``ComposedWorkerMeta.load_seconds`` (vLLM aggregates
 the ranks' worker metadata: the slowest rank's time counts), where each fits its child's
-estimate (``kvcompose.composite.costs``). Per request::
+estimate (``kvcompose.composite.policies.fastest.costs``). Per request::
 
     (none) ── metadata: a load ──▶ STARTED ── its receive ──▶ (none; its time shipped,
                                       │                          unless the load failed)

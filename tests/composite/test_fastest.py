@@ -222,7 +222,7 @@ def test_the_engines_prefill_speed_is_measured_from_its_steps():
     """Each step's scheduled tokens over the time to the next step: a prefill step of 400
     tokens that took 2 s moves the 2,000 tokens/s prior halfway to 200; decode steps (fewer
     than MIN_PREFILL_STEP_TOKENS) measure nothing."""
-    from kvcompose.composite.costs import Costs, LoadCost
+    from kvcompose.composite.policies.fastest.costs import Costs, LoadCost
 
     clock = Clock()
     costs = Costs([LoadCost(0.001, 1e6)], 2000.0, clock)

@@ -1,6 +1,7 @@
-"""``policy: fastest``'s plan search (``kvcompose.composite.fastest.Planner``) picks what the
-exhaustive enumeration it replaced picked: the same plan (parts) at the same predicted time, to
-the last bit, and, asked for the decision log, weighs the same plans in the same order.
+"""``policy: fastest``'s plan search (``kvcompose.composite.policies.fastest.search.Planner``)
+picks what the exhaustive enumeration it replaced picked: the same plan (parts) at the same
+predicted time, to the last bit, and, asked for the decision log, weighs the same plans in the
+same order.
 
 The enumeration is kept here as the reference (as it was in ``fastest.py`` before the
 search): every plan the range modes allow, generated recursively, each priced from scratch by
@@ -20,8 +21,8 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from kvcompose.composite.costs import Costs, LoadCost
-from kvcompose.composite.fastest import BETTER_BY, Choice, Hit, Part, Planner
+from kvcompose.composite.policies.fastest.costs import Costs, LoadCost
+from kvcompose.composite.policies.fastest.search import BETTER_BY, Choice, Hit, Part, Planner
 from kvcompose.tree.ranges import RANGE_MODES, RangeSupport
 
 BLOCK = 16
@@ -247,7 +248,7 @@ def test_nested_prefixes_at_equal_priors_need_no_walk(monkeypatch):
     blocks at one fast prior. Every stitch costs what the longest hit's one segment costs
     (in exact arithmetic), so the bound ends the search after that segment: the walk is not
     started, and the longest hit is loaded."""
-    import kvcompose.composite.fastest as fastest
+    import kvcompose.composite.policies.fastest.search as fastest
 
     def no_walk(*args: object) -> None:
         raise AssertionError("walked")

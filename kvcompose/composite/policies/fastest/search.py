@@ -10,15 +10,15 @@ them, but in any order and with any child left out:
   where the previous one ends (its mode and alignment), a segment of a child that can be cut
   short ending early so that another child can start on its alignment; the rest recomputed.
 
-A plan's predicted time (``kvcompose.composite.costs``): its sync segments one after the other,
-its async segments in parallel, each after its child's queue, then the prefill of what is
-left. The cheapest wins. A plan replaces the best so far only if it is cheaper by more than
-``BETTER_BY`` (a billionth) of it: plans whose predictions differ by floating-point rounding
-alone are ties, and ties go to the plan found first (recompute first), so loading must pay
-to be chosen. A cold child (``Costs.cold``) with another request's load awaiting its time is
+A plan's predicted time (``kvcompose.composite.policies.fastest.costs``): its sync segments one
+after the other, its async segments in parallel, each after its child's queue, then the prefill
+of what is left. The cheapest wins. A plan replaces the best so far only if it is cheaper by
+more than ``BETTER_BY`` (a billionth) of it: plans whose predictions differ by floating-point
+rounding alone are ties, and ties go to the plan found first (recompute first), so loading must
+pay to be chosen. A cold child (``Costs.cold``) with another request's load awaiting its time is
 left out (``Costs.usable``), and its segment, where it can be cut, ends at most
-``Costs.probe_tokens`` after its start (rounded up to its alignment): its first times are
-bought with short loads.
+``Costs.probe_tokens`` after its start (rounded up to its alignment): its first times are bought
+with short loads.
 
 **A cold child's first probe is priced at nothing** (``Costs.free_probe``: a cold child none of
 whose loads has been timed, in a segment cut to its probe): it is bought to be timed, and its
@@ -70,7 +70,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvcompose.composite.costs import Costs
+from kvcompose.composite.policies.fastest.costs import Costs
 from kvcompose.tree.ranges import RangeSupport
 
 #: Modes whose segment can only be the plan's last: it loads to its own end.

@@ -1,0 +1,58 @@
+"""``first`` and ``longest``: one child owns the load, its ``[local, local + n)``.
+
+``first``: the candidates are asked in order and the first hit owns (the rest are not asked,
+unless the node asks every child as vLLM's MultiConnector does); a child still answering
+``None`` ahead of it holds the decision. ``longest``: every candidate is asked, the largest
+hit owns, ties go to the earlier child. Fan-out and route nodes take ``first`` over the
+candidates they choose.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvcompose.composite.policies.base import Answer, Hit, LookupPolicy, PolicySetting
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from kvcompose.composite.segments import Segment
+
+
+class FirstLookup(LookupPolicy):
+    name = "first"
+
+    def __init__(self, setting: PolicySetting) -> None:
+        super().__init__(setting)
+        self.stops_at_hit = not setting.ask_every_child
+
+    def take(self, plan: list[Segment], segment: Segment) -> bool:
+        if plan:
+            return False  # asked after the owner (``ask_every_child``): the first hit owns
+        plan.append(segment)
+        return self.stops_at_hit
+
+    def settle(self, request: Request, local: int, hits: list[Hit]) -> Answer:
+        child, end, is_async = hits[0]
+        return self.host.decide_one(
+            request.request_id, child, end - local, is_async, self.fixed_reason, local
+        )
+
+
+class LongestLookup(LookupPolicy):
+    name = "longest"
+    stops_at_pending = False
+
+    def take(self, plan: list[Segment], segment: Segment) -> bool:
+        if not plan or segment.tokens > plan[0].tokens:  # ties go to the earlier child
+            plan[:] = [segment]
+        return False
+
+    def settle(self, request: Request, local: int, hits: list[Hit]) -> Answer:
+        child, end, is_async = hits[0]
+        for hit in hits:
+            if hit[1] > end:
+                child, end, is_async = hit
+        return self.host.decide_one(
+            request.request_id, child, end - local, is_async, self.fixed_reason, local
+        )
