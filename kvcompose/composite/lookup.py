@@ -15,11 +15,18 @@ first) until it answers or the node's lookup deadline passes. A sync plan always
 one token to compute (``Guard.leave_one_token``); an async one need not (vLLM recomputes the
 last token after the receive, ``Scheduler._update_waiting_for_remote_kv``).
 
+On several KV cache groups the node plans under ``park_only``: vLLM takes no block-level
+load failure there (``Scheduler._handle_invalid_blocks`` raises), so the scheduler half tells
+vLLM every sync load is async (``Ledger.park``) and reports a failure by request; a child
+whose range mode cannot be parked (``PARKABLE_MODES``) would load only what vLLM schedules,
+so its sync hits are not taken (counted ``not_parked.<child>``), and the next candidate is
+asked as if it had missed.
+
 ``Lookup.answer`` is what vLLM calls. Its common case (a request the node holds no record of,
-fixed candidates all asked at the local hit, no child out of lookups, no debug trace) is one
-loop: every candidate asked with the guard's checks inlined, and the hits handed to the policy's
-``settle``, which decides as ``plan`` would; ``tests/composite/test_hot_paths.py`` checks the
-two against each other on random answers.
+fixed candidates all asked at the local hit, no child out of lookups, no debug trace, nothing
+``park_only`` would skip) is one loop: every candidate asked with the guard's checks inlined,
+and the hits handed to the policy's ``settle``, which decides as ``plan`` would;
+``tests/composite/test_hot_paths.py`` checks the two against each other on random answers.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcompose import tree as nodes
-from kvcompose.composite.ledger import UNALLOCATED, LoadState
+from kvcompose.composite.ledger import PARKABLE_MODES, UNALLOCATED, LoadState
 from kvcompose.composite.policies.base import (
     MISS,
     PENDING,
@@ -122,6 +129,9 @@ class Lookup:
         self.range_supports = policy.supports
         self.fixed_candidates: Candidates | None = policy.fixed
         self.lookup_timeout_s = tree.lookup_timeout_s
+        #: the children whose sync hits are not taken (``park_only``)
+        self.unparkable: frozenset[int] = frozenset()
+        self._not_parked_logged: set[int] = set()
         self.debug = logger.isEnabledFor(logging.DEBUG)
         self.lookups: Sequence[Callable[[Request, int], Any]] = ()
         self._asks: tuple[tuple[int, Callable[[Request, int], Any]], ...] | None = None
@@ -129,6 +139,15 @@ class Lookup:
         self._checked_misses: list[object] = []
         self._settle = policy.settle
         self.guard.on_disable.append(self._choose_path)
+
+    def park_only(self) -> None:
+        """Plan for a node on several KV cache groups, whose sync loads are parked
+        (``Ledger.park``): a sync hit of a child whose range mode cannot be parked is not
+        taken, and the common case is left to the general rule while any child's could be."""
+        self.unparkable = frozenset(
+            i for i, s in enumerate(self.range_supports) if s.mode not in PARKABLE_MODES
+        )
+        self._choose_path()
 
     def refresh(self, lookups: Sequence[Callable[[Request, int], Any]]) -> None:
         """Take the children's (re-)cached ``get_num_new_matched_tokens`` methods."""
@@ -152,8 +171,8 @@ class Lookup:
 
     def _choose_path(self) -> None:
         """The fast path's candidates, or None where every lookup takes ``decide``: stitch and
-        route, a debug trace, a child out of lookups."""
-        fast = not (self.debug or self.guard.disabled)
+        route, a debug trace, a child out of lookups, a child ``park_only`` skips."""
+        fast = not (self.debug or self.guard.disabled or self.unparkable)
         self._fast_asks = self._asks if fast else None
 
     # ------------------------------------------------------ what policies call back
@@ -237,12 +256,15 @@ class Lookup:
         timed_out: bool,
         trace: list[str] | None,
         timeouts: list[int],
+        not_parked: list[int] | None = None,
     ) -> Plan | Pending:
         """Ask the candidates in order; the hits the policy takes become the plan (see the
-        module docstring). ``timeouts`` receives the children that missed the deadline."""
+        module docstring). ``timeouts`` and ``not_parked`` receive the children that missed
+        the deadline and whose sync hits were not taken (``park_only``)."""
         policy = self.policy
         names = self.children.names
         disabled = self.guard.disabled
+        unparkable = self.unparkable
         shows_start = policy.asks_where_plan_ends
         found: list[Segment] = []
         pending = False
@@ -276,6 +298,12 @@ class Lookup:
                 tokens = self.leave_one(child, request, at, tokens)
                 if tokens <= 0:
                     continue
+            if not is_async and child in unparkable:
+                if not_parked is not None:
+                    not_parked.append(child)
+                if trace is not None:
+                    trace.append(f"{names[child]}=not taken(sync, cannot be parked)")
+                continue
             support = self.range_supports[child]
             segment = Segment(child, at, at + tokens, is_async, support.mode, support.can_cut)
             if why := policy.refuses(segment, found):
@@ -305,7 +333,10 @@ class Lookup:
         candidates = self.fixed_candidates or self.policy.candidates(request)
         trace: list[str] | None = [] if self.debug else None
         timeouts: list[int] = []
-        found = self.plan(request, local, candidates, excluded, timed_out, trace, timeouts)
+        not_parked: list[int] = []
+        found = self.plan(
+            request, local, candidates, excluded, timed_out, trace, timeouts, not_parked
+        )
         if isinstance(found, Pending):
             self.ledger.mark_pending(req_id, time.monotonic())
             return None, False
@@ -316,6 +347,9 @@ class Lookup:
             reason += "+deadline"
         if excluded:
             reason += "+fallback"
+        if not_parked:
+            self._not_parked(not_parked)
+            reason += "+not parked"
         counted = not (repeat and same_decision(record, found, local))  # type: ignore[arg-type]
         if counted:
             self.counters.lookups += 1
@@ -339,6 +373,23 @@ class Lookup:
                 reason,
             )
         return tokens, is_async
+
+    def _not_parked(self, children: list[int]) -> None:
+        """Count (and log once per child) the sync hits ``park_only`` did not take."""
+        names = self.children.names
+        for child in children:
+            self.counters.inc(f"not_parked.{names[child]}")
+            if child not in self._not_parked_logged:
+                self._not_parked_logged.add(child)
+                logger.warning(
+                    "kvcompose[%s]: child %r answered a sync load on a model with several KV "
+                    "cache groups, where vLLM has no way to hear that a sync load failed, and "
+                    "its range mode cannot be parked (told to vLLM as async); its sync hits "
+                    "are not taken (logged once per child). Declare its load_range native if "
+                    "it loads what its metadata names whether vLLM schedules the request or not",
+                    self.name,
+                    names[child],
+                )
 
     # ------------------------------------------------------------ what vLLM calls
     def answer(self, request: Request, local: int) -> Answer:

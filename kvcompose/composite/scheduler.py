@@ -32,7 +32,7 @@ from kvcompose import tree as nodes
 from kvcompose.composite.children import Children
 from kvcompose.composite.finishes import Finishes
 from kvcompose.composite.forwarding import SchedulerForwarding
-from kvcompose.composite.ledger import Ledger, LoadState
+from kvcompose.composite.ledger import Ledger, LedgerError, LoadState
 from kvcompose.composite.lookup import Lookup
 from kvcompose.composite.metadata import ComposedWorkerMeta, CompositeMetadata
 from kvcompose.composite.output_routing import OutputRouter
@@ -103,8 +103,8 @@ class CompositeScheduler(SchedulerForwarding):
         # several KV cache groups: vLLM takes no invalid block ids, so every failure goes up by
         # request, and sync loads are parked (``Ledger.park``) so that theirs can
         self.by_request = num_kv_groups > 1
-        self._not_parked_logged: set[int] = set()
         if self.by_request:
+            self.lookup.park_only()  # a sync hit that cannot be parked is not planned
             self.get_num_new_matched_tokens = self._answer_parked  # type: ignore[method-assign]
         self._partial_tails: dict[str, set[int]] = {}  # accepted tails, until the finish
         self._step_loads: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -178,37 +178,19 @@ class CompositeScheduler(SchedulerForwarding):
     def _answer_parked(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens`` on several KV cache groups: the one rule's answer,
         a sync load parked (told to vLLM as async: its failure can then be reported by
-        request, ``Ledger.park``), or not taken if a loading child cannot be parked (its
-        failure could not be reported at all: vLLM would use or keep garbage, or die)."""
+        request, ``Ledger.park``). The lookup plans under ``park_only``: a sync hit of a child
+        that cannot be parked is not taken (its failure could not be reported at all: vLLM
+        would use or keep garbage, or die), so every sync plan it answers parks."""
         tokens, is_async = self.lookup.answer(request, num_computed_tokens)
         if is_async or not tokens:
             return tokens, is_async
-        req_id = request.request_id
-        record = self.ledger.get(req_id)
-        if record is None:
-            return tokens, is_async  # (a hit always leaves a record)
-        if self.ledger.park(record, self.lookup.range_supports):
-            return tokens, True
-        names = self.children.names
-        for child in record.loaders():
-            self.counters.inc(f"not_parked.{names[child]}")
-            if child not in self._not_parked_logged:
-                self._not_parked_logged.add(child)
-                logger.warning(
-                    "kvcompose[%s]: child %r answered a sync load on a model with several KV "
-                    "cache groups, where vLLM has no way to hear that a sync load failed, and "
-                    "its range mode cannot be parked (told to vLLM as async); its sync hits "
-                    "are not taken (logged once per child). Declare its load_range native if "
-                    "it loads what its metadata names whether vLLM schedules the request or not",
-                    self.name,
-                    names[child],
-                )
-        if self.costs is not None:
-            self.costs.forget(req_id)
-        self.ledger.decide(
-            req_id, None, 0, False, record.reason + "+not parked", record.local_tokens
-        )
-        return 0, False
+        record = self.ledger.get(request.request_id)
+        if record is None or not self.ledger.park(record, self.lookup.range_supports):
+            raise LedgerError(
+                f"kvcompose[{self.name}]: request {request.request_id}: a sync plan under "
+                "park_only that cannot be parked"
+            )
+        return tokens, True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -258,6 +258,30 @@ def test_a_sync_hit_of_a_child_that_cannot_be_parked_is_not_taken_on_two_groups(
     h.assert_clean()
 
 
+@pytest.mark.parametrize("policy", ["first", "longest", "stitch", "fastest"])
+def test_a_parkable_childs_hit_is_taken_over_one_that_cannot_be_parked(harness, policy):
+    """a (``sole_owner``: cannot be parked) holds 64 tokens, b (``native``) 48, both sync and
+    fast to load. On two groups a's sync hit is skipped while planning, as if it missed, so
+    every policy takes b's: parked, loaded in the step vLLM holds the request. Planned first
+    and refused after, a's hit left the whole prompt to compute."""
+    a = script("a", Behaviour(tokens=64))
+    b = script("b", Behaviour(tokens=48))
+    fast = {"latency_ms": 0.0, "gbps": 1000.0}
+    unparkable = leaf("a", connector="ScriptedHMAConnector", expect_read=fast)
+    tree = chain("root", unparkable, hma("b", expect_read=fast), policy=policy)
+    tree["expect_prefill_tokens_per_s"] = 2000.0
+    h = hybrid_harness(harness, kvcompose_config(tree), 2)
+    rid = h.add_request(prompt(PROMPT), max_tokens=2).request_id
+    h.run_until_idle()
+    assert 64 not in allocs(a, rid)
+    assert allocs(b, rid)[0] == 48
+    assert receives(h, rid) == 1, "b's sync load parked"
+    assert scheduled(h, rid) == PROMPT - 48 + 1
+    totals = counters(h)
+    assert totals["not_parked.a"] == 1 and totals["hits.b"] == 1 and "hits.a" not in totals
+    h.assert_clean()
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 def test_a_sync_load_that_succeeds(harness, groups):
     """Two groups: parked for one step (the cost of a failure being reportable), then the
