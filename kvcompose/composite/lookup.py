@@ -61,13 +61,12 @@ logger = logging.getLogger("kvcompose")
 
 
 def same_decision(record: LoadRecord, found: Plan, local: int) -> bool:
-    """Whether ``found`` is the plan ``record`` holds from the last lookup."""
+    """Whether ``found`` is the plan ``record`` holds from the last lookup. A parked sync load
+    (``Ledger.park``) is held as a stitched load of its one segment: the same segment."""
     if record.local_tokens != local:
         return False
-    if len(found) > 1:
+    if len(found) > 1 or record.segments:
         return record.segments == found
-    if record.segments:
-        return False
     if not found:
         return record.owner is None
     segment = found[0]

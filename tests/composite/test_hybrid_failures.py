@@ -25,6 +25,8 @@ from kvcompose.testing.trees import chain, kvcompose_config, prompt
 
 PROMPT = 100
 WINDOW = 2 * BLOCK
+#: A pool in which one 200-token request on the two groups leaves too few blocks for another.
+REPEAT_BLOCKS = 30
 
 
 def hma(name: str, **fields: Any) -> dict[str, Any]:
@@ -279,6 +281,44 @@ def test_a_parkable_childs_hit_is_taken_over_one_that_cannot_be_parked(harness, 
     assert scheduled(h, rid) == PROMPT - 48 + 1
     totals = counters(h)
     assert totals["not_parked.a"] == 1 and totals["hits.b"] == 1 and "hits.a" not in totals
+    h.assert_clean()
+
+
+def test_a_parked_plan_asked_again_before_its_allocation_is_a_repeat(harness):
+    """r1 takes the KV cache; r2's allocation fails each step while r1 runs, and vLLM asks
+    again (``Scheduler.schedule`` keeps it waiting). r2's plan is a's sync load, parked (held
+    as a one-segment stitch): each answer after the first repeats it and is counted as a
+    repeat, not as a new lookup and hit."""
+    a = script("a", Behaviour(tokens=160), r1=Behaviour())
+    config = {**kvcompose_config(chain("root", hma("a"))), "kv_connector": "KVComposeHMA"}
+    h = harness(
+        config,
+        num_blocks=REPEAT_BLOCKS,
+        max_model_len=224,
+        sliding_window=WINDOW,
+        kv_load_failure_policy="recompute",
+    )
+    lookup = h.connector.scheduler_side.lookup
+    answers: list[tuple[int | None, bool]] = []
+    answer = lookup.answer
+
+    def recorded(request: Any, local: int) -> tuple[int | None, bool]:
+        out = answer(request, local)
+        if request.request_id == "r2":
+            answers.append(out)
+        return out
+
+    lookup.answer = recorded
+    h.add_request(prompt(200, 80), max_tokens=5, request_id="r1")
+    h.step()
+    h.add_request(prompt(200, 81), max_tokens=1, request_id="r2")
+    h.run_until_idle()
+    assert len(answers) >= 3 and set(answers) == {(160, False)}, answers
+    assert allocs(a, "r2")[0] == 160 and receives(h, "r2") == 1
+    totals = counters(h)
+    assert totals["lookups"] == 2  # r1's miss and r2's plan, once
+    assert totals["lookup_repeats"] == len(answers) - 1
+    assert totals["hits.a"] == 1 and totals["hit_tokens.a"] == 160
     h.assert_clean()
 
 
