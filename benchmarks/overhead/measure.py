@@ -18,11 +18,11 @@ and ``update_from_output``; only the forward pass is absent) with:
   instead) (``fastest_over_longest`` is issue 27's overhead goal).
   The children are ``load_range: native``, so ``fastest`` has stitches of them to weigh too
   (every stitch costs, in exact arithmetic, what child 0's one segment costs, so its search
-  stops at that segment: ``kvcompose.composite.fastest``), and they have an ``expect_read``
-  prior (``HIT_PRIOR``): a child with none is cold and takes one load at a time until a load
-  is timed (``Costs.usable``), which never happens here (no worker), so without it every
-  request but one would skip the plan choice. Both policies pick child 0's
-  hit, so both configurations load the same tokens and differ only in the choosing.
+  stops at that segment: ``kvcompose.composite.policies.fastest.search``), and they have an
+  ``expect_read`` prior (``HIT_PRIOR``): a child with none is cold and takes one load at a time
+  until a load is timed (``Costs.usable``), which never happens here (no worker), so without it
+  every request but one would skip the plan choice. Both policies pick child 0's hit, so both
+  configurations load the same tokens and differ only in the choosing.
 
 All N requests arrive at once: one admission step looks up and allocates every request
 (``get_num_new_matched_tokens``, ``update_state_after_alloc`` on every child), then decode
