@@ -136,7 +136,10 @@ class Lookup:
         self._asks: tuple[tuple[int, Callable[[Request, int], Any]], ...] | None = None
         self._fast_asks: tuple[tuple[int, Callable[[Request, int], Any]], ...] | None = None
         self._checked_misses: list[object] = []
+        # the common case's policy, read once (fixed for the node's life)
         self._settle = policy.settle
+        self._stops_at_hit = policy.stops_at_hit
+        self._stops_at_pending = policy.stops_at_pending
         self.guard.on_disable.append(self._choose_path)
 
     def park_only(self) -> None:
@@ -398,9 +401,8 @@ class Lookup:
         asks = self._fast_asks
         if asks is None or request.request_id in self._ledger_ids:
             return self.decide(request, local, self.ledger.get(request.request_id))
-        policy = self.policy
-        stops_at_hit = policy.stops_at_hit
-        stops_at_pending = policy.stops_at_pending
+        stops_at_hit = self._stops_at_hit
+        stops_at_pending = self._stops_at_pending
         num_tokens = request.num_tokens
         hits: list[Hit] = []
         pending = False
