@@ -21,7 +21,7 @@ A policy that prices its plans by load times (``fastest``) carries a cost model 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -88,22 +88,15 @@ class FixedChoice:
 
 class LookupHost(Protocol):
     """What a policy calls back on the lookup that holds it (asking, the guard's cut, the
-    ledger and counters stay the lookup's)."""
+    ledger and counters stay the lookup's): ``Lookup.ask``, ``Lookup.leave_one``,
+    ``Lookup.decide_one`` (one child's load: ``req_id, child, tokens, is_async, reason,
+    local, plan_counter``) and ``Lookup.record`` (a plan)."""
 
     def ask(self, child: int, request: Request, at: int) -> Answer: ...
 
     def leave_one(self, child: int, request: Request, at: int, tokens: int) -> int: ...
 
-    def decide_one(
-        self,
-        req_id: str,
-        child: int,
-        tokens: int,
-        is_async: bool,
-        reason: str,
-        local: int,
-        plan_counter: str | None = None,
-    ) -> Answer: ...
+    decide_one: Callable[[str, int, int, bool, str, int, str | None], Answer]
 
     def record(
         self, req_id: str, found: Plan, reason: str, local: int, record: Any

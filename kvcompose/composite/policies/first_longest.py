@@ -35,7 +35,7 @@ class FirstLookup(LookupPolicy):
     def settle(self, request: Request, local: int, hits: list[Hit]) -> Answer:
         child, end, is_async = hits[0]
         return self.host.decide_one(
-            request.request_id, child, end - local, is_async, self.fixed_reason, local
+            request.request_id, child, end - local, is_async, self.fixed_reason, local, None
         )
 
 
@@ -54,5 +54,5 @@ class LongestLookup(LookupPolicy):
             if hit[1] > end:
                 child, end, is_async = hit
         return self.host.decide_one(
-            request.request_id, child, end - local, is_async, self.fixed_reason, local
+            request.request_id, child, end - local, is_async, self.fixed_reason, local, None
         )
