@@ -150,7 +150,9 @@ class LookupPolicy(ABC):
 
     def __init__(self, setting: PolicySetting) -> None:
         self.choice = setting.choice
+        #: the candidates of every request where they do not hang on it (chain, fan-out)
         self.fixed = setting.choice.fixed
+        #: ``candidates(request)``: the children asked for a request, in order, and why
         self.candidates = setting.choice.candidates
         self.supports = setting.supports
         self.block_size = setting.block_size
