@@ -198,26 +198,6 @@ class Lookup:
             return result  # type: ignore[no-any-return]
         return self.guard.normalise_lookup(child, result)
 
-    def decide_one(
-        self,
-        req_id: str,
-        child: int,
-        tokens: int,
-        is_async: bool,
-        reason: str,
-        local: int,
-        plan_counter: str | None = None,
-    ) -> Answer:
-        """The common case's record of one child's load (no segment object: the ledger keeps
-        only its owner), its hit counted (with ``plan_counter``, in one call); vLLM's
-        answer."""
-        self.ledger.decide(req_id, child, tokens, is_async, reason, local)
-        if plan_counter is None:
-            self.counters.hit(child, tokens)
-        else:
-            self.counters.plan_hit(plan_counter, child, tokens)
-        return tokens, is_async
-
     def record(
         self,
         req_id: str,
@@ -401,10 +381,7 @@ class Lookup:
         asks = self._fast_asks
         if asks is None or request.request_id in self._ledger_ids:
             return self.decide(request, local, self.ledger.get(request.request_id))
-        stops_at_hit = self._stops_at_hit
-        stops_at_pending = self._stops_at_pending
-        num_tokens = request.num_tokens
-        hits: list[Hit] = []
+        hits: list[Hit] | None = None  # made at the first hit (most lookups have none)
         pending = False
         checked_misses = self._checked_misses
         for child, ask in asks:
@@ -424,7 +401,7 @@ class Lookup:
                 n, a = self.guard.normalise_lookup(child, result)
                 if n is None:
                     pending = True
-                    if stops_at_pending:
+                    if self._stops_at_pending:
                         break
                     continue
             elif n == 0 and a is False:
@@ -432,17 +409,20 @@ class Lookup:
                 continue
             if n <= 0:
                 continue
-            if not a and local + n >= num_tokens:
+            if not a and local + n >= request.num_tokens:
                 n = self.leave_one(child, request, local, n)
                 if n <= 0:
                     continue
-            hits.append((child, local + n, a))
-            if stops_at_hit:
+            if hits is None:
+                hits = [(child, local + n, a)]
+            else:
+                hits.append((child, local + n, a))
+            if self._stops_at_hit:
                 break
         if pending:
             self.ledger.mark_pending(request.request_id, time.monotonic())
             return None, False
         self.counters.lookups += 1
-        if not hits:
+        if hits is None:
             return MISS  # a plain miss needs no record
         return self._settle(request, local, hits)

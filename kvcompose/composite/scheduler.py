@@ -89,6 +89,7 @@ class CompositeScheduler(SchedulerForwarding):
         policy = build_policy(
             tree,
             self.block_size,
+            self.ledger,
             counters,
             ask_every_child=ask_every_child,
             vllm_config=vllm_config,

@@ -12,7 +12,9 @@ answer on random draws):
   (``refuses``, ``take``), and ``finish`` makes the plan;
 - the common case (``settle``), where the candidates are fixed and every child is asked at
   the local hit: the lookup's one fast loop hands over the hits, and the policy records the
-  decision through the lookup (``LookupHost``) as the general rule would.
+  decision as the general rule would: one child's load straight into the ledger and the
+  counters the lookup keeps (this runs for every request with a hit: a call less on it is
+  measurable), a plan of several segments through the lookup (``LookupHost.record``).
 
 A policy that prices its plans by load times (``fastest``) carries a cost model (``costs``,
 ``LoadTimes``); the node's worker half then times each load.
@@ -21,7 +23,7 @@ A policy that prices its plans by load times (``fastest``) carries a cost model 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvcompose import tree as nodes
+    from kvcompose.composite.ledger import Ledger
     from kvcompose.composite.stats import NodeCounters
     from kvcompose.tree.ranges import RangeSupport
 
@@ -88,15 +91,11 @@ class FixedChoice:
 
 class LookupHost(Protocol):
     """What a policy calls back on the lookup that holds it (asking, the guard's cut, the
-    ledger and counters stay the lookup's): ``Lookup.ask``, ``Lookup.leave_one``,
-    ``Lookup.decide_one`` (one child's load: ``req_id, child, tokens, is_async, reason,
-    local, plan_counter``) and ``Lookup.record`` (a plan)."""
+    record of a plan stay the lookup's)."""
 
     def ask(self, child: int, request: Request, at: int) -> Answer: ...
 
     def leave_one(self, child: int, request: Request, at: int, tokens: int) -> int: ...
-
-    decide_one: Callable[[str, int, int, bool, str, int, str | None], Answer]
 
     def record(
         self, req_id: str, found: Plan, reason: str, local: int, record: Any
@@ -123,6 +122,8 @@ class PolicySetting:
     choice: ChildChoice
     supports: tuple[RangeSupport, ...]
     block_size: int
+    #: the node's ledger and counters, which the lookup keeps (the common case writes to them)
+    ledger: Ledger
     counters: NodeCounters
     #: ``first`` asks the children after the first hit too (the first hit still owns), as
     #: vLLM's MultiConnector does: a child that pins or prefetches on lookup relies on it
@@ -157,6 +158,10 @@ class LookupPolicy(ABC):
         self.supports = setting.supports
         self.block_size = setting.block_size
         self.counters = setting.counters
+        # the common case's record of one child's load, as the lookup's ``record`` makes it
+        # (no segment object: the ledger keeps only its owner), bound once
+        self._decide = setting.ledger.decide
+        self._count_hit = setting.counters.hit
         #: the common case stops at the first hit
         self.stops_at_hit = False
         #: the load-time model (``times_loads``), None otherwise
@@ -168,7 +173,7 @@ class LookupPolicy(ABC):
     host: LookupHost
 
     def attach(self, host: LookupHost) -> None:
-        """The lookup that asks for this policy (``settle`` records through it)."""
+        """The lookup that asks for this policy (``settle`` records plans through it)."""
         self.host = host
 
     # ------------------------------------------------------------ the general rule
@@ -203,8 +208,8 @@ class LookupPolicy(ABC):
     @abstractmethod
     def settle(self, request: Request, local: int, hits: list[Hit]) -> Answer:
         """The common case's decision on ``hits`` (at least one; every candidate asked at
-        ``local``, in order), recorded through the host as ``finish`` and the lookup's
-        record would record it; vLLM's answer."""
+        ``local``, in order), recorded as ``finish`` and the lookup's ``record`` would
+        record it; vLLM's answer."""
 
     # ------------------------------------------------------------ bookkeeping hooks
     def repeat(self, req_id: str) -> None:  # noqa: B027 (a hook most policies leave empty)

@@ -27,6 +27,7 @@ from kvcompose.tree.ranges import RangeSupport, known_range_support
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+    from kvcompose.composite.ledger import Ledger
     from kvcompose.composite.stats import NodeCounters
 
 #: Every policy, by the name a chain's ``policy`` gives.
@@ -71,6 +72,7 @@ def child_range_supports(tree: nodes.Composite) -> tuple[RangeSupport, ...]:
 def build_policy(
     tree: nodes.Composite,
     block_size: int,
+    ledger: Ledger,
     counters: NodeCounters,
     *,
     ask_every_child: bool = False,
@@ -82,6 +84,7 @@ def build_policy(
         child_choice(tree),
         child_range_supports(tree),
         block_size,
+        ledger,
         counters,
         ask_every_child=ask_every_child,
         vllm_config=vllm_config,

@@ -34,9 +34,10 @@ class FirstLookup(LookupPolicy):
 
     def settle(self, request: Request, local: int, hits: list[Hit]) -> Answer:
         child, end, is_async = hits[0]
-        return self.host.decide_one(
-            request.request_id, child, end - local, is_async, self.fixed_reason, local, None
-        )
+        tokens = end - local
+        self._decide(request.request_id, child, tokens, is_async, self.fixed_reason, local)
+        self._count_hit(child, tokens)
+        return tokens, is_async
 
 
 class LongestLookup(LookupPolicy):
@@ -53,6 +54,7 @@ class LongestLookup(LookupPolicy):
         for hit in hits:
             if hit[1] > end:
                 child, end, is_async = hit
-        return self.host.decide_one(
-            request.request_id, child, end - local, is_async, self.fixed_reason, local, None
-        )
+        tokens = end - local
+        self._decide(request.request_id, child, tokens, is_async, self.fixed_reason, local)
+        self._count_hit(child, tokens)
+        return tokens, is_async

@@ -113,7 +113,6 @@ class FastestLookup(LookupPolicy):
     def settle(self, request: Request, local: int, hits: list[Hit]) -> Answer:
         """The cheapest plan on ``hits`` (without the list of every plan weighed, which only
         the debug trace shows), realised and recorded as the general rule does."""
-        host = self.host
         req_id = request.request_id
         num_tokens = request.num_tokens
         costs = self.costs
@@ -145,12 +144,18 @@ class FastestLookup(LookupPolicy):
                     # ledger keeps only its owner), its plan and hit counted in one call
                     tokens = end - local
                     costs.expect(req_id, child, tokens, load_s, False)
-                    return host.decide_one(req_id, child, tokens, False, reason, local, _PLAN_LOAD)
+                    self._decide(req_id, child, tokens, False, reason, local)
+                    self.counters.plan_hit(_PLAN_LOAD, child, tokens)
+                    return tokens, False
         choice = planner.choose(req_id, hits, local, num_tokens, costs)  # type: ignore[arg-type]
         if len(choice.parts) != 1:
-            return host.record(req_id, self._realise(request, local, choice), reason, local, None)
+            return self.host.record(
+                req_id, self._realise(request, local, choice), reason, local, None
+            )
         child, _, end, is_async = choice.parts[0]
         # one child loads from ``local``, as above
         tokens = end - local
         costs.expect(req_id, child, tokens, costs.loads[child].predict(tokens), is_async)
-        return host.decide_one(req_id, child, tokens, is_async, reason, local, _PLAN_LOAD)
+        self._decide(req_id, child, tokens, is_async, reason, local)
+        self.counters.plan_hit(_PLAN_LOAD, child, tokens)
+        return tokens, is_async
