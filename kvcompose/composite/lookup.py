@@ -136,10 +136,10 @@ class Lookup:
         self._asks: tuple[tuple[int, Callable[[Request, int], Any]], ...] | None = None
         self._fast_asks: tuple[tuple[int, Callable[[Request, int], Any]], ...] | None = None
         self._checked_misses: list[object] = []
-        # the common case's policy, read once (fixed for the node's life)
-        self._settle = policy.settle
+        # the common case's policy settings, read once (fixed for the node's life)
         self._stops_at_hit = policy.stops_at_hit
         self._stops_at_pending = policy.stops_at_pending
+        self._weighs_every_hit = policy.weighs_every_hit
         self.guard.on_disable.append(self._choose_path)
 
     def park_only(self) -> None:
@@ -381,7 +381,14 @@ class Lookup:
         asks = self._fast_asks
         if asks is None or request.request_id in self._ledger_ids:
             return self.decide(request, local, self.ledger.get(request.request_id))
-        hits: list[Hit] | None = None  # made at the first hit (most lookups have none)
+        # the longest hit (the first of the longest), and every hit for a policy that
+        # weighs them all
+        best = -1
+        best_end = 0
+        best_async = False
+        hits: list[Hit] | None = [] if self._weighs_every_hit else None
+        any_async = False
+        num_tokens = 0
         pending = False
         checked_misses = self._checked_misses
         for child, ask in asks:
@@ -409,20 +416,28 @@ class Lookup:
                 continue
             if n <= 0:
                 continue
-            if not a and local + n >= request.num_tokens:
-                n = self.leave_one(child, request, local, n)
-                if n <= 0:
-                    continue
-            if hits is None:
-                hits = [(child, local + n, a)]
-            else:
-                hits.append((child, local + n, a))
-            if self._stops_at_hit:
-                break
+            if not a:
+                if not num_tokens:
+                    num_tokens = request.num_tokens  # (a property: read once, at a sync hit)
+                if local + n >= num_tokens:
+                    n = self.leave_one(child, request, local, n)
+                    if n <= 0:
+                        continue
+            end = local + n
+            if hits is not None:
+                hits.append((child, end, a))
+                if a:
+                    any_async = True
+            if end > best_end:
+                best, best_end, best_async = child, end, a
+                if self._stops_at_hit:
+                    break
         if pending:
             self.ledger.mark_pending(request.request_id, time.monotonic())
             return None, False
         self.counters.lookups += 1
-        if hits is None:
+        if best < 0:
             return MISS  # a plain miss needs no record
-        return self._settle(request, local, hits)
+        return self.policy.settle(
+            request, local, best, best_end, best_async, hits, any_async, num_tokens
+        )

@@ -148,6 +148,8 @@ class LookupPolicy(ABC):
     times_loads: ClassVar[bool] = False
     #: the common case (``settle``) exists: fixed candidates all asked at the local hit
     has_fast_path: ClassVar[bool] = True
+    #: ``settle`` is handed every hit, not only the longest
+    weighs_every_hit: bool = False
 
     def __init__(self, setting: PolicySetting) -> None:
         self.choice = setting.choice
@@ -158,10 +160,9 @@ class LookupPolicy(ABC):
         self.supports = setting.supports
         self.block_size = setting.block_size
         self.counters = setting.counters
-        # the common case's record of one child's load, as the lookup's ``record`` makes it
-        # (no segment object: the ledger keeps only its owner), bound once
-        self._decide = setting.ledger.decide
-        self._count_hit = setting.counters.hit
+        #: the node's ledger: the common case records one child's load in it as the lookup's
+        #: ``record`` would (no segment object: the ledger keeps only its owner)
+        self.ledger = setting.ledger
         #: the common case stops at the first hit
         self.stops_at_hit = False
         #: the load-time model (``times_loads``), None otherwise
@@ -206,10 +207,28 @@ class LookupPolicy(ABC):
 
     # ------------------------------------------------------------ the common case
     @abstractmethod
-    def settle(self, request: Request, local: int, hits: list[Hit]) -> Answer:
-        """The common case's decision on ``hits`` (at least one; every candidate asked at
-        ``local``, in order), recorded as ``finish`` and the lookup's ``record`` would
-        record it; vLLM's answer."""
+    def settle(
+        self,
+        request: Request,
+        local: int,
+        child: int,
+        end: int,
+        is_async: bool,
+        hits: list[Hit] | None,
+        any_async: bool,
+        num_tokens: int,
+    ) -> Answer:
+        """The common case's decision (every candidate asked at ``local``, in order, at
+        least one hit), recorded as ``finish`` and the lookup's ``record`` would record it;
+        vLLM's answer. The fast loop hands over what it saw without making objects it need
+        not (a list and a call per hit cost more than the rest of a one-owner decision):
+
+        - ``child``, ``end``, ``is_async``: the longest hit (the first of the longest; the
+          first hit where the policy stops at it);
+        - ``hits``, ``any_async``: every hit in order, and whether one is async, where the
+          policy ``weighs_every_hit`` (else None, False);
+        - ``num_tokens``: ``request.num_tokens`` where a sync hit read it, else 0 (it is a
+          property: read once at the most)."""
 
     # ------------------------------------------------------------ bookkeeping hooks
     def repeat(self, req_id: str) -> None:  # noqa: B027 (a hook most policies leave empty)

@@ -25,6 +25,8 @@ class FirstLookup(LookupPolicy):
     def __init__(self, setting: PolicySetting) -> None:
         super().__init__(setting)
         self.stops_at_hit = not setting.ask_every_child
+        # asked after the first hit too (``ask_every_child``): the first hit, not the longest
+        self.weighs_every_hit = setting.ask_every_child
 
     def take(self, plan: list[Segment], segment: Segment) -> bool:
         if plan:
@@ -32,11 +34,22 @@ class FirstLookup(LookupPolicy):
         plan.append(segment)
         return self.stops_at_hit
 
-    def settle(self, request: Request, local: int, hits: list[Hit]) -> Answer:
-        child, end, is_async = hits[0]
+    def settle(
+        self,
+        request: Request,
+        local: int,
+        child: int,
+        end: int,
+        is_async: bool,
+        hits: list[Hit] | None,
+        any_async: bool,
+        num_tokens: int,
+    ) -> Answer:
+        if hits is not None:
+            child, end, is_async = hits[0]
         tokens = end - local
-        self._decide(request.request_id, child, tokens, is_async, self.fixed_reason, local)
-        self._count_hit(child, tokens)
+        self.ledger.decide(request.request_id, child, tokens, is_async, self.fixed_reason, local)
+        self.counters.hit(child, tokens)
         return tokens, is_async
 
 
@@ -49,12 +62,18 @@ class LongestLookup(LookupPolicy):
             plan[:] = [segment]
         return False
 
-    def settle(self, request: Request, local: int, hits: list[Hit]) -> Answer:
-        child, end, is_async = hits[0]
-        for hit in hits:
-            if hit[1] > end:
-                child, end, is_async = hit
+    def settle(
+        self,
+        request: Request,
+        local: int,
+        child: int,
+        end: int,
+        is_async: bool,
+        hits: list[Hit] | None,
+        any_async: bool,
+        num_tokens: int,
+    ) -> Answer:
         tokens = end - local
-        self._decide(request.request_id, child, tokens, is_async, self.fixed_reason, local)
-        self._count_hit(child, tokens)
+        self.ledger.decide(request.request_id, child, tokens, is_async, self.fixed_reason, local)
+        self.counters.hit(child, tokens)
         return tokens, is_async

@@ -56,5 +56,15 @@ class StitchLookup(LookupPolicy):
         plan.append(segment)
         return segment.mode in _LAST
 
-    def settle(self, request: Request, local: int, hits: list[Hit]) -> Answer:
+    def settle(
+        self,
+        request: Request,
+        local: int,
+        child: int,
+        end: int,
+        is_async: bool,
+        hits: list[Hit] | None,
+        any_async: bool,
+        num_tokens: int,
+    ) -> Answer:
         raise NotImplementedError("stitch asks each child where the plan ends: no common case")

@@ -33,6 +33,7 @@ class FastestLookup(LookupPolicy):
     name = "fastest"
     stops_at_pending = False
     times_loads = True
+    weighs_every_hit = True
 
     def __init__(self, setting: PolicySetting) -> None:
         super().__init__(setting)
@@ -110,43 +111,47 @@ class FastestLookup(LookupPolicy):
             costs.expect(req_id, s.child, s.tokens, predicted, s.is_async)
 
     # ------------------------------------------------------------ the common case
-    def settle(self, request: Request, local: int, hits: list[Hit]) -> Answer:
+    def settle(
+        self,
+        request: Request,
+        local: int,
+        child: int,
+        longest: int,
+        is_async: bool,
+        hits: list[Hit] | None,
+        any_async: bool,
+        num_tokens: int,
+    ) -> Answer:
         """The cheapest plan on ``hits`` (without the list of every plan weighed, which only
         the debug trace shows), realised and recorded as the general rule does."""
         req_id = request.request_id
-        num_tokens = request.num_tokens
+        if not num_tokens:
+            num_tokens = request.num_tokens
         costs = self.costs
         planner = self.planner
         reason = self.fixed_reason
         # (no ``costs.forget`` as ``decided`` does: a request without a record, which is all
         # this path sees, has no load awaiting its time; those are given out with a record,
         # which is kept until the request finishes)
-        if costs.warm_for_good:
-            longest = 0  # where the longest hit ends, and whether any is async
-            any_async = False
-            for _, end, is_async in hits:
-                if end > longest:
-                    longest = end
-                if is_async:
-                    any_async = True
-            if not any_async:
-                # what ``choose`` would do, without its checks, its objects and ``_realise``:
-                # a first-level plan starts at ``local``, so none of its children is asked
-                # again (one warm sync hit too: the scan prices it as ``choose``'s ``_one``)
-                recompute_s = (num_tokens - local) / costs.prefill_tokens_per_s
-                found = planner.scan(hits, local, num_tokens, costs, recompute_s, longest)  # type: ignore[arg-type]
-                if found is not None:
-                    child, end, _, load_s = found
-                    if child < 0:
-                        self.counters.inc(_PLAN_RECOMPUTE)
-                        return MISS
-                    # one child's sync load from ``local``, without a segment object (the
-                    # ledger keeps only its owner), its plan and hit counted in one call
-                    tokens = end - local
-                    costs.expect(req_id, child, tokens, load_s, False)
-                    self._decide(req_id, child, tokens, False, reason, local)
-                    self.counters.plan_hit(_PLAN_LOAD, child, tokens)
-                    return tokens, False
+        assert hits is not None  # (``weighs_every_hit``)
+        if costs.warm_for_good and not any_async:
+            # what ``choose`` would do, without its checks, its objects and ``_realise``:
+            # a first-level plan starts at ``local``, so none of its children is asked
+            # again (one warm sync hit too: the scan prices it as ``choose``'s ``_one``)
+            recompute_s = (num_tokens - local) / costs.prefill_tokens_per_s
+            found = planner.scan(hits, local, num_tokens, costs, recompute_s, longest)  # type: ignore[arg-type]
+            if found is not None:
+                child, end, _, load_s = found
+                if child < 0:
+                    self.counters.inc(_PLAN_RECOMPUTE)
+                    return MISS
+                # one child's sync load from ``local``, without a segment object (the
+                # ledger keeps only its owner), its plan and hit counted in one call
+                tokens = end - local
+                costs.expect(req_id, child, tokens, load_s, False)
+                self.ledger.decide(req_id, child, tokens, False, reason, local)
+                self.counters.plan_hit(_PLAN_LOAD, child, tokens)
+                return tokens, False
         choice = planner.choose(req_id, hits, local, num_tokens, costs)  # type: ignore[arg-type]
         if len(choice.parts) != 1:
             return self.host.record(
@@ -156,6 +161,6 @@ class FastestLookup(LookupPolicy):
         # one child loads from ``local``, as above
         tokens = end - local
         costs.expect(req_id, child, tokens, costs.loads[child].predict(tokens), is_async)
-        self._decide(req_id, child, tokens, is_async, reason, local)
+        self.ledger.decide(req_id, child, tokens, is_async, reason, local)
         self.counters.plan_hit(_PLAN_LOAD, child, tokens)
         return tokens, is_async
