@@ -206,7 +206,6 @@ class LookupPolicy(ABC):
         return tuple(plan)
 
     # ------------------------------------------------------------ the common case
-    @abstractmethod
     def settle(
         self,
         request: Request,
@@ -228,7 +227,10 @@ class LookupPolicy(ABC):
         - ``hits``, ``any_async``: every hit in order, and whether one is async, where the
           policy ``weighs_every_hit`` (else None, False);
         - ``num_tokens``: ``request.num_tokens`` where a sync hit read it, else 0 (it is a
-          property: read once at the most)."""
+          property: read once at the most).
+
+        Overrides leave the types to this declaration (one signature, not one a policy)."""
+        raise NotImplementedError(f"{self.name} has no common case (``has_fast_path``)")
 
     # ------------------------------------------------------------ bookkeeping hooks
     def repeat(self, req_id: str) -> None:  # noqa: B027 (a hook most policies leave empty)

@@ -11,15 +11,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcompose.composite.policies.base import Answer, Hit, LookupPolicy, PolicySetting
+from kvcompose.composite.policies.base import LookupPolicy, PolicySetting
 
 if TYPE_CHECKING:
-    from vllm.v1.request import Request
-
     from kvcompose.composite.segments import Segment
 
 
-class FirstLookup(LookupPolicy):
+class _OneOwner(LookupPolicy):
+    """A policy whose plan is one child's load: its common case records the owner."""
+
+    # (typed and documented by ``LookupPolicy.settle``)
+    def settle(self, request, local, child, end, is_async, hits, any_async, num_tokens):  # type: ignore[no-untyped-def]
+        if hits is not None:  # every hit (``first`` asking every child): the first owns
+            child, end, is_async = hits[0]
+        tokens = end - local
+        self.ledger.decide(request.request_id, child, tokens, is_async, self.fixed_reason, local)
+        self.counters.hit(child, tokens)
+        return tokens, is_async
+
+
+class FirstLookup(_OneOwner):
     name = "first"
 
     def __init__(self, setting: PolicySetting) -> None:
@@ -34,26 +45,8 @@ class FirstLookup(LookupPolicy):
         plan.append(segment)
         return self.stops_at_hit
 
-    def settle(
-        self,
-        request: Request,
-        local: int,
-        child: int,
-        end: int,
-        is_async: bool,
-        hits: list[Hit] | None,
-        any_async: bool,
-        num_tokens: int,
-    ) -> Answer:
-        if hits is not None:
-            child, end, is_async = hits[0]
-        tokens = end - local
-        self.ledger.decide(request.request_id, child, tokens, is_async, self.fixed_reason, local)
-        self.counters.hit(child, tokens)
-        return tokens, is_async
 
-
-class LongestLookup(LookupPolicy):
+class LongestLookup(_OneOwner):
     name = "longest"
     stops_at_pending = False
 
@@ -61,19 +54,3 @@ class LongestLookup(LookupPolicy):
         if not plan or segment.tokens > plan[0].tokens:  # ties go to the earlier child
             plan[:] = [segment]
         return False
-
-    def settle(
-        self,
-        request: Request,
-        local: int,
-        child: int,
-        end: int,
-        is_async: bool,
-        hits: list[Hit] | None,
-        any_async: bool,
-        num_tokens: int,
-    ) -> Answer:
-        tokens = end - local
-        self.ledger.decide(request.request_id, child, tokens, is_async, self.fixed_reason, local)
-        self.counters.hit(child, tokens)
-        return tokens, is_async

@@ -13,11 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvcompose.composite.policies.base import Answer, Hit, LookupPolicy
+from kvcompose.composite.policies.base import LookupPolicy
 
 if TYPE_CHECKING:
-    from vllm.v1.request import Request
-
     from kvcompose.composite.segments import Segment
 
 #: Modes whose segment ends the stitch: it loads to its own end.
@@ -55,16 +53,3 @@ class StitchLookup(LookupPolicy):
     def take(self, plan: list[Segment], segment: Segment) -> bool:
         plan.append(segment)
         return segment.mode in _LAST
-
-    def settle(
-        self,
-        request: Request,
-        local: int,
-        child: int,
-        end: int,
-        is_async: bool,
-        hits: list[Hit] | None,
-        any_async: bool,
-        num_tokens: int,
-    ) -> Answer:
-        raise NotImplementedError("stitch asks each child where the plan ends: no common case")

@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING
 from kvcompose.composite.policies.base import (
     MISS,
     RECOMPUTE,
-    Answer,
-    Hit,
     LookupPolicy,
     Plan,
     PolicySetting,
@@ -111,17 +109,8 @@ class FastestLookup(LookupPolicy):
             costs.expect(req_id, s.child, s.tokens, predicted, s.is_async)
 
     # ------------------------------------------------------------ the common case
-    def settle(
-        self,
-        request: Request,
-        local: int,
-        child: int,
-        longest: int,
-        is_async: bool,
-        hits: list[Hit] | None,
-        any_async: bool,
-        num_tokens: int,
-    ) -> Answer:
+    # (typed and documented by ``LookupPolicy.settle``; ``longest``: where the longest hit ends)
+    def settle(self, request, local, child, longest, is_async, hits, any_async, num_tokens):  # type: ignore[no-untyped-def]
         """The cheapest plan on ``hits`` (without the list of every plan weighed, which only
         the debug trace shows), realised and recorded as the general rule does."""
         req_id = request.request_id
