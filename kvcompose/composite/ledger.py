@@ -56,8 +56,8 @@ child that loads what its metadata names whether vLLM schedules the request or n
 reported to vLLM as async (``park``): an owned one becomes a stitched load of one segment,
 ``is_async`` is set, and it goes the stitched way: vLLM holds the request for the step the
 children load in, the worker half reports the round's receive itself, and a failed segment is
-recovered or given up by request (``failed_recving``). A load that cannot be parked is not
-taken (the scheduler half re-decides it as a miss).
+recovered or given up by request (``failed_recving``). A sync hit that cannot be parked is
+never planned (the lookup skips it, ``park_only``), so every sync plan there can be parked.
 
 A second ``update_state_after_alloc(…, 0)`` after an async load leaves the state unchanged.
 A failed owner is remembered in ``excluded`` and skipped when the scheduler looks the request

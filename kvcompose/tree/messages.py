@@ -129,7 +129,7 @@ class Wording:
         kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
         if kind == "kvcompose":  # tree.fields.custom_error: our own words, as they are
             return loc, err["msg"]
-        if kind == "invalid_key":  # config and proxy data never get here (plain.check_plain)
+        if kind == "invalid_key":  # config and proxy data never get here (walk.check_plain)
             return loc[:-1], key_not_string(loc[-1])
         if kind == "extra_forbidden":
             return loc, self.unknown_key(loc)
