@@ -42,6 +42,23 @@ def worker_connector() -> Any:
     return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
+def kv_cache_facts(llm: Any) -> dict[str, Any]:
+    """What vLLM set up for the KV cache, read from the running engine: ``num_blocks`` (the
+    block pool's blocks), ``groups`` (each KV cache group's spec class, in vLLM's order) and
+    ``hma`` (whether the hybrid KV cache manager stayed on: vLLM turns it off for a
+    connector that does not support it, and then sizes every layer as full attention, one
+    group; ``VllmConfig``'s hybrid KV cache manager check sets
+    ``scheduler_config.disable_hybrid_kv_cache_manager``)."""
+    core = engine_core(llm)
+    config = core.scheduler.kv_cache_config
+    disabled = getattr(core.vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", None)
+    return {
+        "num_blocks": int(config.num_blocks),
+        "groups": [type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups],
+        "hma": not disabled,
+    }
+
+
 @dataclass(frozen=True)
 class TreeNode:
     """One connector of a connector tree: its ``/``-joined path from the root (``"root"`` for
