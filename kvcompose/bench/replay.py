@@ -11,11 +11,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
-from kvcompose.bench.results import RequestRecord, RunResult, StoreUsage
+from kvcompose.bench.results import KVCacheFacts, RequestRecord, RunResult, StoreUsage
 from kvcompose.bench.snapshot import connector_snapshot, flush_store_writers, snapshot_delta
 from kvcompose.engine.process import report_progress
 
@@ -115,11 +117,13 @@ def measure(
     timed: bool = True,
     warmup_max_tokens: int = 4,
 ) -> RunResult:
-    """Warm up, replay ``requests``, return the timings and the counter deltas."""
-    from kvcompose.engine.probe import scheduler_connector
+    """Warm up, replay ``requests``, return the timings, the counter deltas, the KV cache vLLM
+    set up and the preemptions of the replay."""
+    from kvcompose.engine.probe import kv_cache_facts, scheduler_connector
 
     engine = llm.llm_engine
     result = RunResult(label=label, seed=seed, round=round_no)
+    result.kv_cache = KVCacheFacts(**kv_cache_facts(llm))
     t = time.perf_counter()
     warm = [
         {"id": f"warmup-{i}", "prompt": p, "arrival_s": 0.0, "max_tokens": warmup_max_tokens}
@@ -132,7 +136,9 @@ def measure(
     before = connector_snapshot(llm, stores)
     usage_before = _usage(stores)
     t = time.perf_counter()
-    records = replay(engine, requests, phase="replay", timed=timed, timeout_s=timeout_s)
+    with count_preemptions(llm) as preempted:
+        records = replay(engine, requests, phase="replay", timed=timed, timeout_s=timeout_s)
+    result.preemptions = preempted[0]
     result.replay_s = round_s(time.perf_counter() - t)
     flush_store_writers()  # after the timed replay: the writes it queued, counted
     after = connector_snapshot(llm, stores)
@@ -146,6 +152,28 @@ def measure(
     result.requests = [records[r["id"]] for r in requests]
     result.ok = True
     return result
+
+
+@contextlib.contextmanager
+def count_preemptions(llm: Any) -> Iterator[list[int]]:
+    """Counts the requests the scheduler preempts inside the block (``[count]``): vLLM's
+    ``Scheduler.schedule`` preempts a running request through ``_preempt_request`` when a
+    step's blocks do not fit (the count vLLM logs as ``vllm:num_preemptions``)."""
+    from kvcompose.engine.probe import scheduler
+
+    sched = scheduler(llm)
+    original = sched._preempt_request
+    count = [0]
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    sched._preempt_request = counting
+    try:
+        yield count
+    finally:
+        sched._preempt_request = original
 
 
 def prefill(llm: Any, prompts: list[list[int]]) -> None:

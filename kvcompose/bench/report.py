@@ -48,6 +48,10 @@ def contender_rows(results: BenchResults) -> list[dict[str, Any]]:
                 "cached_tokens": hits.cached_tokens if hits else None,
                 "bytes_written": hits.bytes_written if hits else None,
                 "agreement_percent": c.agreement.percent if c.agreement else None,
+                "kv_blocks": c.kv_cache.num_blocks if c.kv_cache else None,
+                "kv_groups": len(c.kv_cache.groups) if c.kv_cache else None,
+                "hma": c.kv_cache.hma if c.kv_cache else None,
+                "preemptions": c.preemptions,
                 "error": c.error,
             }
         )
@@ -132,6 +136,19 @@ def _speedup(c: ContenderResult) -> str:
     return f"{c.ttft_p50_speedup:.1f}x ({c.speedup_low:.1f}-{c.speedup_high:.1f})"
 
 
+def _blocks(c: ContenderResult) -> str:
+    """The KV cache blocks vLLM allocated, with the groups when there are several."""
+    kv = c.kv_cache
+    if kv is None:
+        return "-"
+    return f"{kv.num_blocks:,}" + (f" ({len(kv.groups)} groups)" if len(kv.groups) > 1 else "")
+
+
+def _hma(c: ContenderResult) -> str:
+    """Whether vLLM kept its hybrid KV cache manager on (measured in the engine)."""
+    return "-" if c.kv_cache is None else ("on" if c.kv_cache.hma else "off")
+
+
 def tables(results: BenchResults) -> list[Any]:
     """Rich tables: the comparison, and per-node counters (labels and store names escaped:
     a user's ``[/x]`` is text, not markup)."""
@@ -168,6 +185,8 @@ def tables(results: BenchResults) -> list[Any]:
         "hit tok",
         "MB saved",
         "agree %",
+        "KV blocks",
+        "HMA",
         "vs recompute",
     ):
         main.add_column(col, justify="right")
@@ -194,7 +213,7 @@ def tables(results: BenchResults) -> list[Any]:
         )
     for c in results.contenders:
         if not c.ran or c.latency is None or c.hits is None:
-            main.add_row(f"{escape(c.label)} [red](failed)[/red]", *["-"] * (11 + 2 * noise))
+            main.add_row(f"{escape(c.label)} [red](failed)[/red]", *["-"] * (13 + 2 * noise))
             continue
         lat, thr, hits = c.latency, c.throughput, c.hits
         agree = c.agreement.percent if c.agreement else None
@@ -217,6 +236,8 @@ def tables(results: BenchResults) -> list[Any]:
             f"{hits.tokens_loaded:,}",
             _num(hits.bytes_written / 1e6, "{:,.1f}"),
             agree_txt,
+            _blocks(c),
+            _hma(c),
             _speedup(c),
             *([", ".join(c.within_noise_of or []) or "none"] if noise else []),
         )

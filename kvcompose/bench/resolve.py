@@ -36,6 +36,23 @@ def store_dirs(
     return dirs, kinds
 
 
+def _with_hma_facts(config: Any) -> Any:
+    """``config`` with vLLM's facts about its leaves when its ``hma`` is auto and vLLM is
+    installed; unchanged where they cannot be read (the engine then reports why)."""
+    import dataclasses
+
+    from kvcompose.config import ConfigError, vllm_available
+
+    if config.hma is not None or not vllm_available():
+        return config
+    from kvcompose.config.vllm_checks import inspect_config
+
+    try:
+        return dataclasses.replace(config, facts=inspect_config(config))
+    except ConfigError:
+        return config
+
+
 def resolve(
     contender: ContenderDef,
     run_dir: str | os.PathLike[str],
@@ -47,7 +64,10 @@ def resolve(
 
     The document's own rules are checked here; the checks against vLLM (connector names,
     modules, ``KVTransferConfig`` fields) run where the engine loads the tree, which reports
-    them as the contender's failure: the bench's own process never imports vLLM (10 s)."""
+    them as the contender's failure. One fact is read from vLLM here, where it is installed:
+    under ``hma: auto`` whether every leaf supports vLLM's hybrid KV cache manager, which
+    decides the entry vLLM gets (``KVComposeHMA`` or ``KVCompose``, for which vLLM turns HMA
+    off: half the blocks on a hybrid model). That imports vLLM once (about 10 s)."""
     if contender.kind == "none":
         return ResolvedContender(contender=contender, kv_transfer_config=None)
     assert contender.text is not None
@@ -80,7 +100,7 @@ def resolve(
                 text.encode(), contender.source, contender.fmt, path=contender.source
             )
             config = load_config(source, env={}, check_vllm=False)
-            ktc = vllm_args(config)
+            ktc = vllm_args(_with_hma_facts(config))
         except ConfigError as exc:
             raise ContenderError(f"contender {contender.label!r}: {exc}") from None
         tree = config.tree

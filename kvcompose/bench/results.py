@@ -69,6 +69,16 @@ class StoreUsage(Record):
     after: dict[str, int] = Field(default_factory=dict)
 
 
+class KVCacheFacts(Record):
+    """The KV cache vLLM set up for a run, read from its engine
+    (``kvcompose.engine.probe.kv_cache_facts``): blocks, groups, and whether the hybrid KV
+    cache manager stayed on (vLLM turns it off for a connector that does not support it)."""
+
+    num_blocks: int
+    groups: list[str] = Field(default_factory=list)
+    hma: bool
+
+
 class RunResult(Record):
     """One contender's engine, one seed (and round): what the replay measured."""
 
@@ -87,6 +97,9 @@ class RunResult(Record):
     connector: ConnectorSnapshot = Field(default_factory=ConnectorSnapshot)
     store_usage: dict[str, StoreUsage] = Field(default_factory=dict)
     live_requests_after: dict[str, Any] = Field(default_factory=dict)
+    kv_cache: KVCacheFacts | None = None
+    #: Requests vLLM's scheduler preempted during the replay (out of KV cache blocks).
+    preemptions: int | None = None
 
 
 class PreparedStore(Record):
@@ -224,6 +237,10 @@ class ContenderResult(Record):
     timings: Timings | None = None
     agreement: Agreement | None = None
     live_requests_after: list[dict[str, Any]] | None = None
+    #: The KV cache of its engine (the same every run: the same model, engine and connector).
+    kv_cache: KVCacheFacts | None = None
+    #: Preemptions per replay (mean over its runs).
+    preemptions: float | None = None
     #: TTFT p50 and p90 of each round (seed and round, in run order).
     ttft_p50_rounds: list[float] = Field(default_factory=list)
     ttft_p90_rounds: list[float] = Field(default_factory=list)

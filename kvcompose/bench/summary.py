@@ -89,6 +89,9 @@ def summarise(contenders: list[Contender], *, several_runs: bool) -> list[Conten
             entry.agreement = metrics.agreement(
                 _keyed(pooled, several_runs), ref_records, reference.label
             )
+        entry.kv_cache = next((r.kv_cache for r in runs if r.kv_cache is not None), None)
+        counted = [r.preemptions for r in runs if r.preemptions is not None]
+        entry.preemptions = statistics.mean(counted) if counted else None
         leftovers = [r.live_requests_after for r in runs]
         if any(leftovers):
             entry.live_requests_after = leftovers

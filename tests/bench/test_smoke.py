@@ -62,6 +62,11 @@ def test_bench_two_contenders_end_to_end(tmp_path: Path, tiny_model: Path, capsy
     assert node["lookups"] == 2
     assert node["children"]["disk"]["hit_tokens"] == 256
     assert contenders["recompute"]["hits"]["tokens_loaded"] == 0
+    # Each row's KV cache, read from its engine: the tiny model has one group; the tree
+    # (hma: auto, every leaf supports HMA) keeps vLLM's hybrid KV cache manager on.
+    for c in contenders.values():
+        assert c["kv_cache"]["num_blocks"] > 0 and c["kv_cache"]["hma"] is True, c["label"]
+        assert c["kv_cache"]["groups"] == ["FullAttentionSpec"] and c["preemptions"] == 0
 
     with open(out / "requests.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))

@@ -239,7 +239,12 @@ def test_resolve_fills_store_dirs(tmp_path: Path) -> None:
     assert {(leaf.store, leaf.variant()) for leaf in first.store_leaves} == {
         (leaf.store, leaf.variant()) for leaf in multi.store_leaves
     }
-    assert first.kv_transfer_config["kv_connector"] == "KVCompose"
+    # hma: auto, and every leaf (the store) supports HMA: the entry that keeps it on, read
+    # from vLLM where it is installed
+    from kvcompose.config import vllm_available
+
+    hma = "KVComposeHMA" if vllm_available() else "KVCompose"
+    assert first.kv_transfer_config["kv_connector"] == hma
     assert multi.kv_transfer_config["kv_connector"] == "MultiConnector"
 
 
@@ -293,6 +298,7 @@ def _results(tmp_path: Path):
         BenchResults,
         ContenderResult,
         HitSummary,
+        KVCacheFacts,
         LatencySummary,
         Meta,
         RequestRow,
@@ -316,6 +322,10 @@ def _results(tmp_path: Path):
                 throughput=Throughput(requests_per_s=1.0),
                 hits=HitSummary(),
                 agreement=Agreement(percent=100.0),
+                kv_cache=KVCacheFacts(
+                    num_blocks=640, groups=["SlidingWindowSpec", "FullAttentionSpec"], hma=True
+                ),
+                preemptions=0.0,
                 requests=[
                     RequestRow(
                         id="a",
@@ -346,7 +356,12 @@ def test_report_rows_tables_and_files(tmp_path: Path) -> None:
     results = _results(tmp_path)
     rows = report.contender_rows(results)
     assert rows[0]["contender"] == "recompute" and rows[1]["error"] == "boom"
-    assert len(report.tables(results)) == 2
+    # the KV cache vLLM set up, as measured in the engine: a column each
+    assert (rows[0]["kv_blocks"], rows[0]["kv_groups"], rows[0]["hma"]) == (640, 2, True)
+    assert rows[0]["preemptions"] == 0.0 and rows[1]["kv_blocks"] is None
+    main = report.tables(results)[0]
+    cells = {col.header: list(col.cells) for col in main.columns}
+    assert cells["KV blocks"] == ["640 (2 groups)", "-"] and cells["HMA"] == ["on", "-"]
     report.write_all(results, tmp_path, plots=False)
     back = BenchResults.model_validate_json((tmp_path / "results.json").read_text())
     assert [c.label for c in back.contenders] == ["recompute", "broken"]
