@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-go GPU check: NIXL P/D with LMCache's CPU offload on D, under kvcompose, on one GPU.
+# One-go GPU check: NIXL P/D with LMCache's CPU offload on D, then a hybrid model with
+# vLLM's OffloadingConnector under KVComposeHMA, all under kvcompose, on one GPU.
 #
 # NOT YET RUN ON A GPU. It was written on CPU-only machines (where LMCache cannot store or
 # load); its argument parsing, configs, commands, workload and metric reading are checked
@@ -11,7 +12,12 @@
 #      [NixlConnector, LMCacheConnectorV1]) share the GPU; round 1 goes P -> D over NIXL,
 #      round 2 goes to D alone and is served from LMCache's CPU tier;
 #   3. checks: outputs equal the baseline's, P's KV cache is freed, per-tier hit tokens
-#      (NIXL, LMCache) printed from D's /metrics. Exit status 0 when every check passes.
+#      (NIXL, LMCache) printed from D's /metrics;
+#   4. the hybrid model (kvcompose's tiny-hybrid: 2 KV cache groups, one sliding): a
+#      baseline, then one engine with a kvcompose tree (hma: true) holding vLLM's real
+#      OffloadingConnector (GPU to CPU); round 1 offloads, round 2 loads from CPU; checks:
+#      outputs equal the baseline's, the CPU tier hits in round 2, HMA stays on
+#      (--skip-hybrid leaves it out). Exit status 0 when every check passes.
 #
 # Usage:
 #   scripts/gpu-check.sh [--install] [--venv DIR] [GPU-CHECK ARGS...]
@@ -19,7 +25,8 @@
 #                  install vLLM, LMCache, NIXL and kvcompose into it (the pins below)
 #     --venv DIR   the environment to use (with --install: to create)
 #   GPU-CHECK ARGS go to `python scripts/gpu_check.py` (see its --help), e.g.
-#     --model Qwen/Qwen2.5-0.5B-Instruct --dtype auto, --requests 16, --dry-run
+#     --model Qwen/Qwen2.5-0.5B-Instruct --dtype auto, --requests 16, --dry-run,
+#     --hybrid-model google/gemma-3-1b-it, --offload-cpu-gb 2, --skip-hybrid
 #   Without --install the environment must already have vLLM, LMCache and NIXL (CUDA builds).
 # Budget: under 8 minutes including installs (uv, a warm wheel cache helps), the tiny model.
 # Environment: VLLM_VERSION (0.33.0), LMCACHE_VERSION (0.5.6), NIXL_PACKAGE (nixl-cu12==1.5.1).
@@ -36,7 +43,7 @@ while [[ $# -gt 0 ]]; do
       [[ $# -ge 2 ]] || { echo "gpu-check: --venv needs a directory" >&2; exit 2; }
       VENV="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
     --venv=*) VENV="${1#--venv=}"; shift ;;
-    -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,32p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done

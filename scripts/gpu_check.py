@@ -17,8 +17,15 @@ What it does, on one GPU, in this order:
    cache is off, so they come from LMCache's CPU tier);
 3. checks: every output of both rounds equals the baseline's; P's KV-cache usage returns to
    0 (P freed its blocks once D read them); kvcompose's per-child hit tokens on D
-   (``vllm:kvcompose_hit_tokens_total``) show NIXL in round 1 and LMCache in round 2; all
-   printed. Exit status 0 when every check passes.
+   (``vllm:kvcompose_hit_tokens_total``) show NIXL in round 1 and LMCache in round 2;
+4. **hybrid model** (unless ``--skip-hybrid``): kvcompose's tiny hybrid Llama (every other
+   layer sliding over 64 tokens: two KV cache groups under vLLM's hybrid KV cache manager),
+   a baseline engine, then one engine whose kvcompose tree (``hma: true``, so
+   ``KVComposeHMA``) holds vLLM's real ``OffloadingConnector`` (GPU to CPU). Round 1 computes
+   the prompts and offloads their KV to CPU; round 2 sends them again (prefix cache off):
+   they load from the CPU tier. Checks: both rounds' outputs equal the hybrid baseline's, the
+   offload child hits in round 2, and vLLM did not turn its hybrid KV cache manager off;
+   all printed. Exit status 0 when every check passes.
 
 The workload is prefix-heavy: ``--requests`` prompts sharing a ``--prefix-tokens`` prefix,
 each with its own ``--suffix-tokens`` tail, as token ids (no tokenizer involved).
@@ -67,6 +74,9 @@ class Options:
     start_timeout_s: float
     free_timeout_s: float
     dry_run: bool
+    hybrid_model: str
+    offload_cpu_gb: float
+    skip_hybrid: bool
 
     @property
     def ports(self) -> dict[str, int]:
@@ -75,6 +85,8 @@ class Options:
             "baseline": b,
             "prefill": b + 1,
             "decode": b + 2,
+            "hybrid_baseline": b + 3,
+            "hybrid_offload": b + 4,
             "p_nixl": b + 11,
             "d_nixl": b + 12,
         }
@@ -83,7 +95,8 @@ class Options:
 def parse_args(argv: Sequence[str] | None = None) -> Options:
     ap = argparse.ArgumentParser(
         prog="gpu-check",
-        description="NIXL P/D with LMCache's CPU offload on D under kvcompose, on one GPU.",
+        description="NIXL P/D with LMCache's CPU offload on D under kvcompose, then the hybrid "
+        "model with vLLM's OffloadingConnector under KVComposeHMA, on one GPU.",
     )
     ap.add_argument("--model", default="", help="model (default: kvcompose's tiny model)")
     ap.add_argument("--python", default=sys.executable, help="Python with vLLM, LMCache, NIXL")
@@ -109,7 +122,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     ap.add_argument("--start-timeout-s", type=float, default=240.0)
     ap.add_argument("--free-timeout-s", type=float, default=60.0)
     ap.add_argument("--dry-run", action="store_true", help="print the plan; start nothing")
+    ap.add_argument(
+        "--hybrid-model", default="", help="hybrid model (default: kvcompose's tiny-hybrid)"
+    )
+    ap.add_argument("--offload-cpu-gb", type=float, default=1.0, help="OffloadingConnector's CPU")
+    ap.add_argument("--skip-hybrid", action="store_true", help="no hybrid-model phase")
     a = ap.parse_args(argv)
+    if a.offload_cpu_gb <= 0:
+        ap.error("--offload-cpu-gb must be positive")
     for name in ("requests", "prefix_tokens", "suffix_tokens", "max_tokens", "chunk_size"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -150,6 +170,22 @@ def decode_document(opts: Options) -> dict[str, Any]:
     }
 
 
+def offload_document(opts: Options) -> dict[str, Any]:
+    """The hybrid phase's tree: vLLM's OffloadingConnector (GPU to CPU) alone in a chain,
+    with HMA required (``KVComposeHMA``): vLLM keeps its hybrid KV cache manager on."""
+    cpu = {
+        "name": "cpu",
+        "connector": "OffloadingConnector",
+        "extra_config": {"cpu_bytes_to_use": int(opts.offload_cpu_gb * 2**30)},
+    }
+    return {
+        "version": 1,
+        "kv_role": "kv_both",
+        "hma": True,
+        "tree": {"chain": {"name": "offload", "children": [{"leaf": cpu}]}},
+    }
+
+
 def _nixl() -> dict[str, Any]:
     return {"name": "nixl", "connector": "NixlConnector", "extra_config": {"backends": ["UCX"]}}
 
@@ -179,13 +215,16 @@ class Engine:
     env: dict[str, str]
 
 
-def engines(opts: Options, model: str) -> dict[str, Engine]:
-    def argv(port: int, *extra: str) -> list[str]:
+def engines(opts: Options, model: str, hybrid_model: str | None = None) -> dict[str, Engine]:
+    """The engines of the check, in the order they run (the hybrid phase's only with
+    ``hybrid_model``)."""
+
+    def argv(port: int, *extra: str, served: str = model) -> list[str]:
         return [
             opts.python,
             *SERVER,
             "--model",
-            model,
+            served,
             "--port",
             str(port),
             "--gpu-memory-utilization",
@@ -202,7 +241,7 @@ def engines(opts: Options, model: str) -> dict[str, Engine]:
     ports = opts.ports
     p_cfg = to_json(kv_transfer_config(prefill_document()))
     d_cfg = to_json(kv_transfer_config(decode_document(opts)))
-    return {
+    plan = {
         "baseline": Engine("baseline", ports["baseline"], argv(ports["baseline"]), {}),
         "prefill": Engine(
             "prefill",
@@ -217,6 +256,15 @@ def engines(opts: Options, model: str) -> dict[str, Engine]:
             {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["d_nixl"]), **lmcache_env(opts)},
         ),
     }
+    if hybrid_model is not None:
+        offload = to_json(kv_transfer_config(offload_document(opts)))
+        for name, key, extra in (
+            ("hybrid-baseline", "hybrid_baseline", ()),
+            ("hybrid-offload", "hybrid_offload", ("--kv-transfer-config", offload)),
+        ):
+            cmd = argv(ports[key], *extra, served=hybrid_model)
+            plan[name] = Engine(name, ports[key], cmd, {})
+    return plan
 
 
 # ------------------------------------------------------------------------ workload
@@ -311,7 +359,8 @@ def text_of(response: dict) -> str:
 
 def run(opts: Options) -> int:
     model = opts.model or _tiny_model(opts.python)
-    plan = engines(opts, model)
+    hybrid_model = None if opts.skip_hybrid else opts.hybrid_model or _tiny_model(opts.python, True)
+    plan = engines(opts, model, hybrid_model)
     work = prompts(opts)
     if opts.dry_run:
         for engine in plan.values():
@@ -360,6 +409,8 @@ def run(opts: Options) -> int:
         failures.append("round 1: no tokens loaded through NIXL")
     if not round2.get("lmcache"):
         failures.append("round 2: no tokens loaded from LMCache")
+    if hybrid_model is not None:
+        failures += hybrid_phase(plan, opts, work)
     for failure in failures:
         print(f"[gpu-check] FAIL: {failure}")
     verdict = "PASS" if not failures else "FAIL"
@@ -367,10 +418,44 @@ def run(opts: Options) -> int:
     return 0 if not failures else 1
 
 
-def _tiny_model(python: str) -> str:
-    out = subprocess.run(
-        [python, "-m", "kvcompose.engine.model"], check=True, capture_output=True, text=True
-    )
+#: What vLLM logs when it turns its hybrid KV cache manager off for a connector
+#: (``VllmConfig``'s hybrid KV cache manager check).
+HMA_OFF = "Turning off hybrid kv cache manager"
+
+
+def hybrid_phase(plan: dict[str, Engine], opts: Options, work: list[list[int]]) -> list[str]:
+    """The hybrid model: a baseline, then the offload tree computing (round 1) and loading
+    from CPU (round 2) the same prompts. Returns the failures."""
+    failures: list[str] = []
+    with running(plan["hybrid-baseline"], opts) as url:
+        baseline = [
+            text_of(_http(f"{url}/v1/completions", completion(p, opts.max_tokens))) for p in work
+        ]
+    engine = plan["hybrid-offload"]
+    with running(engine, opts) as url:
+        hits: list[dict[str, float]] = []
+        for round_no in (1, 2):
+            for i, prompt in enumerate(work):
+                out = text_of(_http(f"{url}/v1/completions", completion(prompt, opts.max_tokens)))
+                if out != baseline[i]:
+                    failures.append(
+                        f"hybrid round {round_no} request {i}: {out!r} != baseline {baseline[i]!r}"
+                    )
+            hits.append(hit_tokens_by_child(_http(f"{url}/metrics")))
+    round2 = {k: v - hits[0].get(k, 0.0) for k, v in hits[1].items()}
+    print(f"[gpu-check] hybrid offload hit tokens, round 1: {hits[0]}, round 2: {round2}")
+    if not round2.get("cpu"):
+        failures.append("hybrid round 2: no tokens loaded from the OffloadingConnector")
+    if HMA_OFF in (opts.logs / f"{engine.name}.log").read_text(errors="replace"):
+        failures.append("hybrid: vLLM turned its hybrid KV cache manager off")
+    return failures
+
+
+def _tiny_model(python: str, hybrid: bool = False) -> str:
+    """kvcompose's tiny model (or its hybrid variant), built by ``python``."""
+    code = "from kvcompose.engine.model import tiny_hybrid_model as m; print(m())"
+    cmd = [python, "-c", code] if hybrid else [python, "-m", "kvcompose.engine.model"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1]
 
 

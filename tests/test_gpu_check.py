@@ -45,6 +45,7 @@ def test_defaults_fit_two_engines_and_the_tiny_model() -> None:
         ["--requests", "0"],
         ["--prefix-tokens", "1000", "--max-model-len", "1024"],
         ["--lmcache-adapter", "other"],
+        ["--offload-cpu-gb", "0"],
     ],
 )
 def test_bad_arguments_are_refused(argv: list[str]) -> None:
@@ -90,6 +91,30 @@ def test_engine_commands() -> None:
     assert not any(k.startswith("LMCACHE_") for k in plan["prefill"].env)
 
 
+def test_the_hybrid_phase_runs_the_offloading_connector_under_kvcompose_hma() -> None:
+    opts = gpu_check.parse_args(["--base-port", "9000", "--offload-cpu-gb", "2"])
+    plan = gpu_check.engines(opts, "/models/m", "/models/h")
+    assert list(plan) == ["baseline", "prefill", "decode", "hybrid-baseline", "hybrid-offload"]
+    assert len({e.port for e in plan.values()}) == 5
+    for name in ("hybrid-baseline", "hybrid-offload"):
+        argv = plan[name].argv
+        assert argv[argv.index("--model") + 1] == "/models/h"
+        assert argv[argv.index("--port") + 1] == str(plan[name].port)
+        assert "--no-enable-prefix-caching" in argv  # round 2 must load from the CPU tier
+    assert "--kv-transfer-config" not in plan["hybrid-baseline"].argv
+    argv = plan["hybrid-offload"].argv
+    ktc = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    # hma: true: the entry that keeps vLLM's hybrid KV cache manager on
+    assert ktc["kv_connector"] == "KVComposeHMA"
+    from kvcompose.config import vllm_available
+
+    config = load_config(ktc, env={}, check_vllm=vllm_available())
+    (leaf,) = config.tree.children
+    assert leaf.name == "cpu" and leaf.connector == "OffloadingConnector"
+    assert leaf.extra_config == {"cpu_bytes_to_use": 2 * 2**30}
+    assert set(gpu_check.engines(opts, "/models/m")) == {"baseline", "prefill", "decode"}
+
+
 def test_workload_is_prefix_heavy() -> None:
     opts = gpu_check.parse_args(["--requests", "5", "--prefix-tokens", "100"])
     work = gpu_check.prompts(opts)
@@ -131,6 +156,8 @@ def test_the_script_dry_run_prints_the_plan() -> None:
             "/models/m",
             "--requests",
             "3",
+            "--hybrid-model",
+            "/models/h",
             "--dry-run",
         ],
         capture_output=True,
@@ -146,4 +173,9 @@ def test_the_script_dry_run_prints_the_plan() -> None:
         "[gpu-check] decode",
     ]
     assert "LMCACHE_CHUNK_SIZE=64" in lines[2] and "--kv-transfer-config" in lines[2]
+    assert [line.split(":")[0] for line in lines[3:5]] == [
+        "[gpu-check] hybrid-baseline",
+        "[gpu-check] hybrid-offload",
+    ]
+    assert "KVComposeHMA" in lines[4] and "OffloadingConnector" in lines[4]
     assert "workload: 3 prompts" in out.stdout
