@@ -34,6 +34,10 @@ class EngineOptions:
     block_size: int | None = opt(
         None, "KV cache block size (default: the platform's, 128 on CPU)", minimum=1
     )  # None: the platform default
+    #: The KV cache's memory; None: the engines' 1 GiB (``VLLM_CPU_KVCACHE_SPACE``).
+    kv_cache_mib: int | None = opt(
+        None, "KV cache memory in MiB (default: 1 GiB)", minimum=1, metavar="MIB"
+    )
     extra: dict[str, Any] = field(default_factory=dict)  # any other vllm.LLM keyword
 
     def llm_kwargs(self, seed: int) -> dict[str, Any]:
@@ -48,6 +52,8 @@ class EngineOptions:
         }
         if self.block_size:
             kw["block_size"] = self.block_size
+        if self.kv_cache_mib:
+            kw["kv_cache_memory_bytes"] = self.kv_cache_mib * 2**20
         kw.update(self.extra)
         return kw
 

@@ -15,6 +15,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from kvcompose.bench.results import KVCacheFacts, RequestRecord, RunResult, StoreUsage
@@ -136,9 +137,9 @@ def measure(
     before = connector_snapshot(llm, stores)
     usage_before = _usage(stores)
     t = time.perf_counter()
-    with count_preemptions(llm) as preempted:
+    with watch_scheduler(llm) as watched:
         records = replay(engine, requests, phase="replay", timed=timed, timeout_s=timeout_s)
-    result.preemptions = preempted[0]
+    result.preemptions, result.peak_running = watched.preemptions, watched.peak_running
     result.replay_s = round_s(time.perf_counter() - t)
     flush_store_writers()  # after the timed replay: the writes it queued, counted
     after = connector_snapshot(llm, stores)
@@ -154,26 +155,41 @@ def measure(
     return result
 
 
+@dataclass
+class SchedulerWatch:
+    """What the scheduler did during a replay: requests preempted, and the most requests
+    running at once."""
+
+    preemptions: int = 0
+    peak_running: int = 0
+
+
 @contextlib.contextmanager
-def count_preemptions(llm: Any) -> Iterator[list[int]]:
-    """Counts the requests the scheduler preempts inside the block (``[count]``): vLLM's
-    ``Scheduler.schedule`` preempts a running request through ``_preempt_request`` when a
-    step's blocks do not fit (the count vLLM logs as ``vllm:num_preemptions``)."""
+def watch_scheduler(llm: Any) -> Iterator[SchedulerWatch]:
+    """Counts the requests the scheduler preempts inside the block, and the most it runs at
+    once: vLLM's ``Scheduler.schedule`` preempts a running request through
+    ``_preempt_request`` when a step's blocks do not fit (the count vLLM logs as
+    ``vllm:num_preemptions``), and keeps the requests it runs in ``running``."""
     from kvcompose.engine.probe import scheduler
 
     sched = scheduler(llm)
-    original = sched._preempt_request
-    count = [0]
+    preempt, schedule = sched._preempt_request, sched.schedule
+    watch = SchedulerWatch()
 
     def counting(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return original(*args, **kwargs)
+        watch.preemptions += 1
+        return preempt(*args, **kwargs)
 
-    sched._preempt_request = counting
+    def scheduling(*args: Any, **kwargs: Any) -> Any:
+        out = schedule(*args, **kwargs)
+        watch.peak_running = max(watch.peak_running, len(sched.running))
+        return out
+
+    sched._preempt_request, sched.schedule = counting, scheduling
     try:
-        yield count
+        yield watch
     finally:
-        sched._preempt_request = original
+        sched._preempt_request, sched.schedule = preempt, schedule
 
 
 def prefill(llm: Any, prompts: list[list[int]]) -> None:

@@ -52,6 +52,7 @@ def contender_rows(results: BenchResults) -> list[dict[str, Any]]:
                 "kv_groups": len(c.kv_cache.groups) if c.kv_cache else None,
                 "hma": c.kv_cache.hma if c.kv_cache else None,
                 "preemptions": c.preemptions,
+                "peak_running": c.peak_running,
                 "error": c.error,
             }
         )

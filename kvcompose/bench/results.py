@@ -100,6 +100,8 @@ class RunResult(Record):
     kv_cache: KVCacheFacts | None = None
     #: Requests vLLM's scheduler preempted during the replay (out of KV cache blocks).
     preemptions: int | None = None
+    #: The most requests the scheduler ran at once during the replay.
+    peak_running: int | None = None
 
 
 class PreparedStore(Record):
@@ -241,6 +243,8 @@ class ContenderResult(Record):
     kv_cache: KVCacheFacts | None = None
     #: Preemptions per replay (mean over its runs).
     preemptions: float | None = None
+    #: The most requests running at once in a replay (the lowest over its runs).
+    peak_running: int | None = None
     #: TTFT p50 and p90 of each round (seed and round, in run order).
     ttft_p50_rounds: list[float] = Field(default_factory=list)
     ttft_p90_rounds: list[float] = Field(default_factory=list)

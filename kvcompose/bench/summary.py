@@ -92,6 +92,8 @@ def summarise(contenders: list[Contender], *, several_runs: bool) -> list[Conten
         entry.kv_cache = next((r.kv_cache for r in runs if r.kv_cache is not None), None)
         counted = [r.preemptions for r in runs if r.preemptions is not None]
         entry.preemptions = statistics.mean(counted) if counted else None
+        peaks = [r.peak_running for r in runs if r.peak_running is not None]
+        entry.peak_running = min(peaks) if peaks else None
         leftovers = [r.live_requests_after for r in runs]
         if any(leftovers):
             entry.live_requests_after = leftovers

@@ -67,6 +67,7 @@ def test_bench_two_contenders_end_to_end(tmp_path: Path, tiny_model: Path, capsy
     for c in contenders.values():
         assert c["kv_cache"]["num_blocks"] > 0 and c["kv_cache"]["hma"] is True, c["label"]
         assert c["kv_cache"]["groups"] == ["FullAttentionSpec"] and c["preemptions"] == 0
+        assert c["peak_running"] >= 1
 
     with open(out / "requests.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
