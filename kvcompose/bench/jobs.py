@@ -41,16 +41,8 @@ ENGINE_ENV = {
 # --------------------------------------------------------------------------- engines
 
 
-def _engine_env(opts: BenchOptions) -> dict[str, str | None]:
-    env: dict[str, str | None] = {
-        **ENGINE_ENV,
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-    }
-    if opts.engine.kv_cache_mib:
-        # vLLM's CPU platform lets this legacy variable override ``kv_cache_memory_bytes``
-        # (``CpuPlatform.check_and_update_config``): unset it
-        env["VLLM_CPU_KVCACHE_SPACE"] = None
-    return env
+def _engine_env() -> dict[str, str]:
+    return {**ENGINE_ENV, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
 
 
 @contextlib.contextmanager
@@ -72,7 +64,7 @@ def _engine(
         model_dir,
         ktc,
         name=name,
-        env=_engine_env(opts),
+        env=_engine_env(),
         llm_kwargs={**opts.engine.llm_kwargs(seed), "disable_log_stats": True},
         log_file=run_dir / "engine.log",
         on_progress=on_progress,

@@ -64,6 +64,10 @@ def make_llm(
     ``"kv_both"``. Other keywords go to ``vllm.LLM`` (over ``LLM_DEFAULTS``).
     """
     engine_env()
+    if kw.get("kv_cache_memory_bytes"):
+        # vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE (set by ENGINE_ENV) override an
+        # explicit size (``CpuPlatform.check_and_update_config``)
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     from vllm import LLM
     from vllm.config import KVTransferConfig
 

@@ -46,8 +46,7 @@ class EngineProcess:
 
     ``kv_transfer_config``: the dict form of ``KVTransferConfig`` (``kv_role`` defaults to
     ``"kv_both"``). ``env``: environment for the child, applied before vLLM is imported there
-    (e.g. ``VLLM_NIXL_SIDE_CHANNEL_PORT``; a key set to None is unset there, the engines'
-    defaults included). ``llm_kwargs`` go to ``vllm.LLM`` (vLLM's stats
+    (e.g. ``VLLM_NIXL_SIDE_CHANNEL_PORT``). ``llm_kwargs`` go to ``vllm.LLM`` (vLLM's stats
     logging is on unless they say otherwise, so that ``stats`` has numbers). ``log_file``: the
     child's stdout and stderr go there instead of the parent's. ``on_progress`` receives what
     functions run by ``call`` report. ``preloaded``: fork from the server that has vLLM
@@ -63,7 +62,7 @@ class EngineProcess:
         kv_transfer_config: dict[str, Any] | None = None,
         *,
         name: str = "engine",
-        env: dict[str, str | None] | None = None,
+        env: dict[str, str] | None = None,
         llm_kwargs: dict[str, Any] | None = None,
         log_file: str | os.PathLike[str] | None = None,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
@@ -254,19 +253,17 @@ def _engine_main(
     conn: Any,
     model_dir: str,
     kv_transfer_config: dict[str, Any] | None,
-    env: dict[str, str | None],
+    env: dict[str, str],
     llm_kwargs: dict[str, Any],
     log_file: str | None,
 ) -> None:
     if log_file is not None:
         _redirect_output(log_file)
-    os.environ.update({k: v for k, v in env.items() if v is not None})
+    os.environ.update(env)
     try:
         from kvcompose.engine.llm import engine_env
 
         engine_env()  # before vLLM/torch are imported in this process
-        for key in [k for k, v in env.items() if v is None]:  # None: unset, defaults too
-            os.environ.pop(key, None)
         _vllm_log_level()
         _thread_lock_for_progress_bars()
         from kvcompose.engine.llm import cleanup, make_llm
