@@ -32,7 +32,7 @@ from kvcompose.engine.probe import scheduler
 from kvcompose.introspect import scheduler_connector
 from kvcompose.stores import PrefixStoreConnector, store_usage
 from kvcompose.testing import faulty_store, pd
-from kvcompose.testing.engine import make_llm
+from kvcompose.testing.real_engine import make_llm
 from kvcompose.testing.scripted import Behaviour, leaf, script
 from kvcompose.testing.trees import chain, kvcompose_config, prefix_store_leaf
 
