@@ -62,7 +62,8 @@ never planned (the lookup skips it, ``park_only``), so every sync plan there can
 A second ``update_state_after_alloc(…, 0)`` after an async load leaves the state unchanged.
 A failed owner is remembered in ``excluded`` and skipped when the scheduler looks the request
 up again (``kv_load_failure_policy="recompute"`` after a total failure), so the next child can
-serve it.
+serve it. A nested node is never excluded for a failed load (``nested``): its own ledger
+excludes the child of its that failed, so asked again it falls back to its next child.
 
 **After the finish**: a finished request's completion signals are the job of
 ``kvcompose.composite.finishes``.
@@ -169,8 +170,10 @@ class LoadRecord:
 class Ledger:
     """Ownership records of one node, keyed by request id."""
 
-    def __init__(self) -> None:
+    def __init__(self, nested: frozenset[int] = frozenset()) -> None:
         self._records: dict[str, LoadRecord] = {}
+        #: Children that are composite nodes: they exclude their own failed children.
+        self.nested = nested
         #: The record of a request (None if unknown); the dict's own ``get``: the scheduler
         #: half asks for every waiting request every step.
         self.get: Callable[[str], LoadRecord | None] = self._records.get
@@ -332,7 +335,7 @@ class Ledger:
         if failed:
             record.state = LoadState.FAILED
             if record.owner is not None:
-                record.excluded = record.excluded | {record.owner}
+                self._exclude_failed(record, {record.owner})
         else:
             record.state = LoadState.LOADED
         return record
@@ -346,7 +349,12 @@ class Ledger:
             return  # aborted, or not a stitched load in flight
         for child in children:
             seg.fail(record.segments, child)
-        record.excluded = record.excluded | children
+        self._exclude_failed(record, children)
+
+    def _exclude_failed(self, record: LoadRecord, children: set[int] | frozenset[int]) -> None:
+        """``children``'s loads of ``record`` failed: skip them on a re-lookup, except the
+        nested nodes (they skip their own failed child and can still serve it)."""
+        record.excluded = record.excluded | (frozenset(children) - self.nested)
 
     def recovered(self, record: LoadRecord, reloads: tuple[Segment, ...], lost: int | None) -> None:
         """A recovery planned the next round: ``reloads`` load (parts of) the failed ranges,
@@ -374,10 +382,10 @@ class Ledger:
         request up again (it does after a total failure under ``recompute``)."""
         for record in self._records.values():
             if record.owner is not None and block_ids.intersection(record.load_blocks):
-                record.excluded = record.excluded | {record.owner}
+                self._exclude_failed(record, {record.owner})
             for segment in record.segments:
                 if segment.active and block_ids.intersection(segment.block_ids):
-                    record.excluded = record.excluded | {segment.child}
+                    self._exclude_failed(record, {segment.child})
 
     def finished(self, req_id: str) -> LoadRecord | None:
         return self._records.pop(req_id, None)

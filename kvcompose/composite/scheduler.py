@@ -84,7 +84,13 @@ class CompositeScheduler(SchedulerForwarding):
         self.divergent_hits = bool(connectors) and all(
             c.supports_divergent_local_hybrid_hits for c in connectors
         )
-        self.ledger = Ledger()
+        self.ledger = Ledger(
+            nested=frozenset(
+                i
+                for i, c in enumerate(connectors)
+                if isinstance(getattr(c, "ledger", None), Ledger)
+            )
+        )
         self._ledger_ids = self.ledger.ids
         policy = build_policy(
             tree,

@@ -360,11 +360,6 @@ def test_a_failed_load_under_the_route_is_recomputed(bed: Bed) -> None:
     assert bed.live() == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the route excludes its failed child, the whole 'fallback' chain, from vLLM's "
-    "new lookup; the chain's next child is never asked (the request is recomputed)",
-)
 def test_a_failed_load_falls_back_to_the_nested_chains_next_child(bed: Bed) -> None:
     before = bed.totals()
     out = bed.ask("fallback", {FAILS[1]: P1})[FAILS[1]]
