@@ -118,18 +118,47 @@ def inherits_base(connector: KVConnectorBase_V1, method: str) -> bool:
 
 
 def child_vllm_config(
-    vllm_config: VllmConfig, node: nodes.Node, *, strict: bool, hma: bool
+    vllm_config: VllmConfig,
+    node: nodes.Node,
+    *,
+    strict: bool,
+    hma: bool,
+    parent_saves: bool = True,
 ) -> VllmConfig:
     assert vllm_config.kv_transfer_config is not None
     try:
-        child_ktc = KVTransferConfig(
-            **child_transfer_dict(vllm_config.kv_transfer_config, node, strict=strict, hma=hma)
+        fields = child_transfer_dict(
+            vllm_config.kv_transfer_config, node, strict=strict, hma=hma, parent_saves=parent_saves
         )
+        if not (parent_saves and node.save):
+            check_store_threshold(fields)
+        child_ktc = KVTransferConfig(**fields)
     except (TypeError, ValueError) as exc:
         raise ChildConfigError(f"node {node.name!r}: invalid KVTransferConfig: {exc}") from exc
     config = copy.copy(vllm_config)
     config.kv_transfer_config = child_ktc
     return config
+
+
+def check_store_threshold(fields: dict[str, Any]) -> None:
+    """A non-saving ``OffloadingConnector`` is kept from storing by ``store_threshold``
+    (``kvcompose.tree.saves_off``), which ``CPUOffloadingSpec.get_manager`` reads: refuse an
+    out-of-tree spec (``spec_module_path``) that builds its manager another way
+    (``TieringOffloadingSpec``, built on ``CPUOffloadingSpec``, refuses the threshold)."""
+    extra = fields.get("kv_connector_extra_config") or {}
+    if fields.get("kv_connector") != "OffloadingConnector" or not extra.get("spec_module_path"):
+        return
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    spec = OffloadingSpecFactory.get_spec_cls(extra)
+    if getattr(spec, "get_manager", None) is not CPUOffloadingSpec.get_manager:
+        raise ValueError(
+            f"save: false: the offloading spec {spec.__name__} does not build its manager "
+            "as CPUOffloadingSpec does, so it may not read store_threshold, which kvcompose "
+            "sets to keep a non-saving OffloadingConnector from storing; remove save: false "
+            "or use a spec that keeps CPUOffloadingSpec.get_manager"
+        )
 
 
 def child_class(config: VllmConfig, node: nodes.Node) -> type[KVConnectorBase_V1]:
@@ -159,10 +188,18 @@ def hma_enabled(vllm_config: VllmConfig) -> bool:
 
 
 def build_child(
-    vllm_config: VllmConfig, role: Any, kv_cache_config: Any, node: nodes.Node, *, strict: bool
+    vllm_config: VllmConfig,
+    role: Any,
+    kv_cache_config: Any,
+    node: nodes.Node,
+    *,
+    strict: bool,
+    parent_saves: bool = True,
 ) -> Child:
+    """``parent_saves``: whether the parent node really saves (its ``save`` and every
+    ancestor's, as a nested composite's tree is handed down); the child saves only then."""
     hma = hma_enabled(vllm_config)
-    config = child_vllm_config(vllm_config, node, strict=strict, hma=hma)
+    config = child_vllm_config(vllm_config, node, strict=strict, hma=hma, parent_saves=parent_saves)
     cls = child_class(config, node)
     if hma and not supports_hma(cls):
         raise ChildConfigError(
@@ -175,4 +212,5 @@ def build_child(
     except Exception as exc:  # vLLM shows the error; the note says which node raised it
         exc.add_note(f"(raised building kvcompose node {node.name!r}, a {cls.__name__})")
         raise
-    return Child(name=node.name, spec=node, connector=connector, saves=node.save)
+    saves = parent_saves and node.save
+    return Child(name=node.name, spec=node, connector=connector, saves=saves)

@@ -155,7 +155,14 @@ class CompositeConnector(KVConnectorBase_V1):
         self.name = self.spec.name
         self.strict = self.strict_from_config(extra)
         built = [
-            build_child(vllm_config, role, kv_cache_config, child, strict=self.strict)
+            build_child(
+                vllm_config,
+                role,
+                kv_cache_config,
+                child,
+                strict=self.strict,
+                parent_saves=self.spec.save,
+            )
             for child in self.spec.children
         ]
         names = [c.name for c in built]

@@ -26,8 +26,9 @@ from pydantic import ValidationError
 
 from kvcompose.config.deadline import UserCodeTimeout, limit_s, time_limit
 from kvcompose.config.known import needs_package, no_hma
-from kvcompose.tree import Leaf, Route, child_transfer_config, walk
+from kvcompose.tree import Leaf, Route, child_transfer_config, effective_saves, walk
 from kvcompose.tree.messages import Wording, at, did_you_mean, shown
+from kvcompose.tree.saves_off import SaveFalseRefused
 
 #: Connectors vLLM special-cases by name (``KVTransferConfig.has_connector``, HiSparse,
 #: SimpleCPUOffload); under a KVCompose composite those checks do not see them.
@@ -124,6 +125,7 @@ def inspect_config(config: Any) -> VllmFacts:
     facts = VllmFacts(registry=tuple(sorted(reg)))
     ktc_fields = {f.name for f in dataclasses.fields(KVTransferConfig)}
     paths = config.leaf_paths()
+    saves = {leaf.name: s for leaf, s in effective_saves(config.tree)}
     for _, node in walk(config.tree):
         if isinstance(node, Route):
             info = config.nodes.get(node.name)
@@ -134,7 +136,7 @@ def inspect_config(config: Any) -> VllmFacts:
             continue
         path = paths.get(node.name, ())
         with _user_code(config, path, f"connector {shown(node.connector)}", seconds):
-            _check_leaf(config, node, path, reg, supports_kw, ktc_fields, facts)
+            _check_leaf(config, node, path, reg, supports_kw, ktc_fields, facts, saves[node.name])
     return facts
 
 
@@ -146,8 +148,9 @@ def _check_leaf(
     supports_kw: Any,
     ktc_fields: set[str],
     facts: VllmFacts,
+    saves: bool,
 ) -> None:
-    """One leaf's checks and facts."""
+    """One leaf's checks and facts (``saves``: whether it really saves)."""
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 
@@ -159,7 +162,10 @@ def _check_leaf(
                 f"{shown(key)} is not a KVTransferConfig field in this vLLM"
                 f"{did_you_mean(key, ktc_fields)}",
             )
-    kwargs = child_transfer_config({}, node)
+    try:
+        kwargs = child_transfer_config({}, node, saves=saves)
+    except SaveFalseRefused as exc:
+        raise config.error((*path, "save"), str(exc)) from None
     kwargs.setdefault("kv_role", "kv_both")  # the composite's own role fills it in
     try:
         ktc = KVTransferConfig(**kwargs)

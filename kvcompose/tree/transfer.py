@@ -14,6 +14,7 @@ from typing import Any
 
 from kvcompose.tree.fields import OWN_FIELDS
 from kvcompose.tree.model import Leaf
+from kvcompose.tree.saves_off import without_saves
 
 
 def transfer_dict(config: Any) -> dict[str, Any]:
@@ -34,13 +35,17 @@ def inherited_fields(parent: Mapping[str, Any] | Any) -> dict[str, Any]:
     }
 
 
-def child_transfer_config(parent: Mapping[str, Any] | Any, leaf: Leaf) -> dict[str, Any]:
+def child_transfer_config(
+    parent: Mapping[str, Any] | Any, leaf: Leaf, *, saves: bool = True
+) -> dict[str, Any]:
     """The keyword arguments for the leaf's ``KVTransferConfig(**d)``: the parent's
     inherited fields, the leaf's own fields on top, then its connector, module path and
-    extra config."""
+    extra config. ``saves``: whether the leaf really saves (its ``save`` and every
+    ancestor's); when not, ``kvcompose.tree.saves_off`` keeps its connector from planning
+    saves (or refuses, raising ``ValueError``)."""
     out = inherited_fields(parent)
     out.update(leaf.transfer_fields())
     out["kv_connector"] = leaf.connector
     out["kv_connector_module_path"] = leaf.module_path
     out["kv_connector_extra_config"] = dict(leaf.extra_config)
-    return out
+    return out if saves else without_saves(out)
