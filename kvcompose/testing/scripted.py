@@ -11,6 +11,7 @@ The scheduler and worker instances of one child find their shared ``Script`` by 
 so the pair works wherever both run in one process (the scheduler harness, a single-process
 engine). Every call is recorded in ``Script.calls`` for assertions, and so is what the child
 reports (``("delay", req)`` when ``request_finished`` delays the free; on the worker side
+``("sync_load", req, failed)`` when it binds a sync load (the step runs it),
 ``("recv_report", req, failed)``, ``("send_report", req)``, ``("invalid_report", block ids,
 (req,))`` per request with bad blocks, and ``("invalid_lost", block ids, (req,))`` when it
 raised while reporting them), plus
@@ -364,7 +365,10 @@ class ScriptedConnector(KVConnectorBase_V1):
         for req_id, load in connector_metadata.loads.items():
             if load.is_async:
                 self._recv_timers[req_id] = (load.steps, load)
-            elif self._outcome(req_id, load) != "ok":
+                continue
+            failed = self._outcome(req_id, load) != "ok"
+            self.script.calls.append(("sync_load", req_id, failed))
+            if failed:
                 self._invalid.setdefault(req_id, set()).update(load.bad_blocks())
         self._send_timers.update(connector_metadata.sends)
         if any(self.script.behaviour(r).break_rogue_recv for r in connector_metadata.allocated):

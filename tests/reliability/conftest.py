@@ -28,9 +28,9 @@ _COMMON = dict(
     ),
     print_blob=True,
 )
-#: Per tree shape (nine shapes): 9 x 100 = 900 sequences, a few minutes on 2 cores.
+#: Per tree shape (eleven shapes): 11 x 100 = 1,100 sequences, about 3 minutes on 2 cores.
 settings.register_profile("ci", max_examples=100, stateful_step_count=50, **_COMMON)
-#: Per tree shape: 9 x 2,000 = 18,000 sequences.
+#: Per tree shape: 11 x 2,000 = 22,000 sequences.
 settings.register_profile("long", max_examples=2000, stateful_step_count=60, **_COMMON)
 
 

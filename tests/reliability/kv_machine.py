@@ -42,6 +42,7 @@ from machine_shapes import (
     MAX_OUTPUT,
     MAX_PROMPT,
     SHAPES,
+    SLIDING_WINDOW,
     Shape,
     script_name,
     with_on_error_fail,
@@ -111,6 +112,9 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
         self.cut_back_async: set[str] = set()
         self.async_scheduling = False
         self.last_answer: dict[str, tuple[Any, ...]] = {}  # req -> the root's last answer
+        # several KV cache groups: loads fail by request (see ``Checks``)
+        self.by_request = False
+        self.seg_failed: set[str] = set()  # requests whose load round has a failed part
 
     # ------------------------------------------------------------------ set-up
     @initialize(data=st.data())
@@ -120,7 +124,8 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
         policy = data.draw(st.sampled_from(("recompute", "fail")), label="failure_policy")
         deadline_zero = data.draw(st.booleans(), label="deadline_zero")
         breakers = data.draw(st.integers(0, 3), label="breakers") == 3
-        num_blocks = data.draw(st.sampled_from((160, 10, 16, 24, 48)), label="num_blocks")
+        pools = (160, 10, 16, 24, 48) if self.shape.groups == 1 else (256, 40, 64)
+        num_blocks = data.draw(st.sampled_from(pools), label="num_blocks")
         max_num_seqs = data.draw(st.integers(2, 8), label="max_num_seqs")
         budget = data.draw(st.sampled_from((256, 64, 128)), label="max_num_batched_tokens")
         async_scheduling = data.draw(st.booleans(), label="async_scheduling")
@@ -144,9 +149,14 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
         tree = with_on_error_fail(self.shape.build(1e-9 if deadline_zero else 3600.0), fail_leaves)
         self.async_scheduling = async_scheduling
         harness = AsyncSchedulerHarness if async_scheduling else SchedulerHarness
+        config = kvcompose_config(tree)
+        hybrid: dict[str, Any] = {}
+        if self.shape.groups > 1:  # the tiny model made hybrid: a sliding and a full group
+            config["kv_connector"] = "KVComposeHMA"
+            hybrid["sliding_window"] = SLIDING_WINDOW
         self.h = harness(
             self.model_dir,
-            kvcompose_config(tree),
+            config,
             block_size=BLOCK,
             num_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
@@ -155,7 +165,11 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
             kv_load_failure_policy=policy,
             with_worker=True,
             layer_calls=True,
+            **hybrid,
         )
+        groups = len(self.h.kv_cache_config.kv_cache_groups)
+        assert groups == self.shape.groups, f"{groups} KV cache groups, not {self.shape.groups}"
+        self.by_request = self.h.connector.scheduler_side.by_request
         if self.h.connector.scheduler_side.costs is not None:  # ``fastest``: frozen time
             # (hypothesis replays an example exactly: its decisions must not read the clock)
             self.h.connector.scheduler_side.costs.clock = frozen_clock
@@ -166,6 +180,8 @@ class KVComposeMachine(Checks, RuleBasedStateMachine):
             STATS["examples.on_error_fail"] += 1
         if async_scheduling:
             STATS["examples.async_scheduling"] += 1
+        if self.by_request:
+            STATS["examples.two_groups"] += 1
         STATS[f"examples.{policy}"] += 1
         STATS["examples.breakers" if breakers else "examples.clean"] += 1
 

@@ -116,6 +116,17 @@ class Checks:
         step's budget ran out) gets the root's answer of the lookup before, unless a leaf
         answered it differently or the root's own state moved meanwhile (a child out of
         lookups, another request's load given out or timed: ``fastest``'s queues and lines).
+
+    and on a model with several KV cache groups (``by_request``: the ``hma-*`` shapes), where
+    vLLM's ``Scheduler._handle_invalid_blocks`` raises on any invalid block id and a sync
+    load has no request-level failure signal, so the node parks every sync load (told to
+    vLLM as async, a stitched load of one segment) and its worker half reports the round's
+    receive itself; 3 to 8 hold with every load a stitched load, and:
+
+    10'. no block id ever goes up as invalid; a load round with a failed part (a loader's
+         failed receive or sync load, bad blocks it named, a raise that failed its loads)
+         goes up in ``failed_recving`` unless a next round (another child's reload) follows;
+    7'.  at the end no KV cache group holds a block of any request.
     """
 
     h: Any
@@ -144,6 +155,8 @@ class Checks:
     cut_back_async: set[str]
     async_scheduling: bool
     last_answer: dict[str, tuple[Any, ...]]
+    by_request: bool
+    seg_failed: set[str]
 
     def do_step(self) -> Any:
         raise NotImplementedError
@@ -216,6 +229,7 @@ class Checks:
         self.step_bad_blocks: dict[str, set[int]] = defaultdict(set)  # leaf -> found bad
         # leaf -> (bad blocks, the requests whose loads they belong to), as reported
         self.step_bad_reports: dict[str, list[tuple[set[int], tuple[str, ...]]]] = defaultdict(list)
+        self.step_recovery_allocs: set[str] = set()  # a load's next round (several groups)
         sync_lost: set[int] = set()  # bad blocks of sync loads, lost with a raise
         lost_calls: list[tuple[Any, str, tuple[int, ...], tuple[str, ...]]] = []
         fail_leaves = self.gen.fail_leaves if self.gen is not None else frozenset()
@@ -239,7 +253,11 @@ class Checks:
                     STATS["loads.async" if b.is_async else "loads.sync"] += 1
                     start = self.last_lookup.get((name, rid), 0)
                     ranges[rid].append((start, start + call[2], name))
-                    if b.is_async:
+                    # several KV cache groups: every load goes up as async (a sync one is
+                    # parked: a stitched load of one segment), its receive the root's own
+                    if b.is_async or self.by_request:
+                        if rid in self.loads:
+                            self.step_recovery_allocs.add(rid)
                         check(
                             rid not in self.loads or self.held_for_recovery(rid),
                             f"{rid}: a second async load ({name}) while one from "
@@ -253,6 +271,8 @@ class Checks:
                     STATS["delays"] += 1
                 elif kind == "recv_report":
                     recv[call[1]].add((name, call[2]))
+                elif kind == "sync_load" and self.by_request:
+                    recv[call[1]].add((name, call[2]))  # parked: the step ends its part
                 elif kind == "send_report":
                     self.sent[call[1]].add(name)
                 elif kind == "raise":
@@ -296,7 +316,9 @@ class Checks:
                 STATS["loads.stitched"] += 1
                 STATS[f"loads.stitched.{len(loaded)}_segments"] += 1
         for rid in ranges:
-            if len(ranges[rid]) == 1 and rid not in self.loads:  # not a recovery's reload
+            if self.by_request:  # every load is parked or async: stitched rounds
+                self.stitched.add(rid)
+            elif len(ranges[rid]) == 1 and rid not in self.loads:  # not a recovery's reload
                 self.stitched.discard(rid)
         for rid, names in new_async.items():
             if rid not in self.loads:  # a recovery's round adds no receive
@@ -334,6 +356,7 @@ class Checks:
 
     # --------------------------------------------------------------- invariants
     def check_step(self, result: Any) -> None:
+        fenced_before = set(self.fenced)
         reports = self.scan()
         out = result.kv_connector_output
         recving = set(out.finished_recving or ()) if out is not None else set()
@@ -343,12 +366,22 @@ class Checks:
         check(failed <= recving, f"failed_recving {failed - recving} without finished_recving")
         reported = {(name, rid) for rid, reps in reports.items() for name, _ in reps}
         self.expect_worker_raise_failures(reports)
+        invalid = set(out.invalid_block_ids or ()) if out is not None else set()
+        if self.by_request:
+            # (10, several KV cache groups) no block id ever goes up (vLLM's
+            # Scheduler._handle_invalid_blocks raises); a failed part of a load fails the
+            # request's load unless another child reloads it (checked at the receive)
+            check(not invalid, f"invalid block ids {sorted(invalid)} went up to vLLM")
+            self.note_failed_rounds(reports, fenced_before)
         # (10) no garbage: blocks a child found bad reach vLLM as invalid in that step, also
         # when the child raised while reporting them (its loads fail) ...
-        invalid = set(out.invalid_block_ids or ()) if out is not None else set()
         found = [(name, bad, "") for name, bad in self.step_bad_blocks.items()]
+        if self.by_request:
+            found = []
         for name, bad_reports in self.step_bad_reports.items():
             for bad, rids in bad_reports:
+                if self.by_request:
+                    break
                 if not all(self.hidden_load_error(name, rid) for rid in rids):
                     found.append((name, bad, f" in loads of {', '.join(rids)}"))
         for name, bad, where in found:
@@ -403,7 +436,20 @@ class Checks:
                     f"{rid}: failed_recving={rid in failed} but owner {owner!r} "
                     f"reported failed={owner_failed}",
                 )
-            if rid in self.stitched:
+            if self.by_request:
+                # (10, several KV cache groups) a load with a failed part that no child
+                # reloaded goes up failed, by request (an aborted one only frees its blocks)
+                check(
+                    rid not in self.seg_failed
+                    or rid in failed
+                    or self.h.requests[rid].is_finished()
+                    or not clean,
+                    f"{rid}: a loader reported its part of the load failed, no child "
+                    "reloaded it, and the load went up good",
+                )
+                self.seg_failed.discard(rid)
+                STATS["root.by_request_recv"] += 1
+            elif rid in self.stitched:
                 # a stitched load (one KV cache group): a failed segment goes up as invalid
                 # blocks with the one receive, never as failed_recving
                 check(rid not in failed, f"{rid}: a stitched load went up in failed_recving")
@@ -450,6 +496,30 @@ class Checks:
             )
         self.check_requests()
         self.check_tables(frozenset(recving))
+
+    def note_failed_rounds(
+        self, reports: dict[str, set[tuple[str, bool]]], fenced_before: set[tuple[str, str]]
+    ) -> None:
+        """Several KV cache groups: the requests whose current load round had a part fail in
+        this step (a loader's failed receive or sync load, bad blocks it named, a raise that
+        failed its loads); a next round (a reload) starts afresh. Late reports of loads the
+        node already failed for a raise (fenced) are not the current round's."""
+        failed: set[str] = set()
+        for rid, reps in reports.items():
+            for name, bad in reps:
+                if bad and name in self.loads.get(rid, ()) and (name, rid) not in fenced_before:
+                    failed.add(rid)
+        for name, bad_reports in self.step_bad_reports.items():
+            for _, rids in bad_reports:
+                failed.update(
+                    rid
+                    for rid in rids
+                    if name in self.loads.get(rid, ()) and (name, rid) not in fenced_before
+                )
+        self.seg_failed -= self.step_recovery_allocs
+        self.seg_failed |= failed
+        STATS["rounds.failed_part"] += len(failed)
+        STATS["rounds.reloaded"] += len(self.step_recovery_allocs)
 
     def expect_worker_raise_failures(self, reports: dict[str, set[tuple[str, bool]]]) -> None:
         """A child's contained worker-side raise while loading fails its async loads in flight
@@ -672,6 +742,10 @@ class Checks:
                 STATS["flush_steps"] += 1
         # (7) nothing left
         self.h.assert_clean()
+        managers = self.h.scheduler.kv_cache_manager.coordinator.single_type_managers
+        for group, manager in enumerate(managers):
+            held = sorted(rid for rid, blocks in manager.req_to_blocks.items() if blocks)
+            check(not held, f"KV cache group {group} still holds blocks of {held}")
         for conn in leaves(self.h.connector):
             check(
                 not conn.live_requests(), f"scheduler-side leaf state left: {conn.live_requests()}"

@@ -15,6 +15,8 @@ MAX_PROMPT = 96
 MAX_OUTPUT = 24
 #: A lookup that stays ``None`` "forever" (only drawn when the node deadline is 0 s).
 FOREVER = 10**9
+#: The sliding window of the 2-group shapes' model (two blocks).
+SLIDING_WINDOW = 2 * BLOCK
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class Shape:
     params: tuple[dict[str, Any] | None, ...] = (None,)
     #: Draw hits mostly on block boundaries, so that later children can stitch after them.
     aligned: bool = False
+    #: KV cache groups: 2 is the tiny model made hybrid (a sliding-window group of
+    #: ``SLIDING_WINDOW`` tokens and a full-attention group) under ``KVComposeHMA``.
+    groups: int = 1
 
 
 def script_name(leaf_name: str) -> str:
@@ -36,6 +41,36 @@ def script_name(leaf_name: str) -> str:
 
 def _leaf(name: str, **fields: Any) -> dict[str, Any]:
     return leaf(name, script_name(name), **fields)
+
+
+def _hma(name: str, **fields: Any) -> dict[str, Any]:
+    """A scripted leaf that supports HMA; ``native`` ones can be parked (their sync loads
+    told to vLLM as async, so that a failure can go up by request)."""
+    return _leaf(name, connector="ScriptedHMAConnector", **fields)
+
+
+def _hma_chain(t: float) -> dict[str, Any]:
+    """root = chain[first](a, b native), on 2 KV cache groups: every sync load is parked."""
+    native = {"load_range": "native"}
+    return chain(
+        "root", _hma("a", **native), _hma("b", **native), policy="first", lookup_timeout_s=t
+    )
+
+
+def _hma_stitch(t: float) -> dict[str, Any]:
+    """root = chain[stitch](a, b, c native; d sole owner, which cannot be parked: its sync
+    hits are not taken), on 2 KV cache groups: failed segments are reloaded by another child
+    or go up by request."""
+    native = {"load_range": "native"}
+    return chain(
+        "root",
+        _hma("a", **native),
+        _hma("b", **native),
+        _hma("c", **native),
+        _hma("d"),
+        policy="stitch",
+        lookup_timeout_s=t,
+    )
 
 
 def _chain(policy: str) -> Callable[[float], dict[str, Any]]:
@@ -145,6 +180,8 @@ SHAPES: dict[str, Shape] = {
             aligned=True,
         ),
         Shape("chain-fastest-cold", ("a", "b", "c", "d"), _fastest(None), aligned=True),
+        Shape("hma-chain-first", ("a", "b"), _hma_chain, groups=2),
+        Shape("hma-stitch", ("a", "b", "c", "d"), _hma_stitch, aligned=True, groups=2),
     )
 }
 

@@ -2,8 +2,9 @@
 
 One test per tree shape: a 2-child chain (``first`` and ``longest``), a route, a fan-out, a
 2-level nested tree, two ``stitch`` chains (four leaves, one a sole owner; and one with a
-nested chain as a sole-owner child) and two ``fastest`` chains (four leaves of known priors;
-and two of them cold). ``test_random_sequences`` runs the ``ci`` profile and
+nested chain as a sole-owner child) two ``fastest`` chains (four leaves of known priors;
+and two of them cold), and a ``first`` chain and a ``stitch`` chain on a model with 2 KV cache
+groups (``hma-*``: failures go up by request). ``test_random_sequences`` runs the ``ci`` profile and
 is part of every run; ``test_random_sequences_long`` runs the ``long`` profile and only when
 ``HYPOTHESIS_PROFILE=long`` (it is marked ``slow``).
 """
