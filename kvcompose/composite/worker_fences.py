@@ -21,7 +21,9 @@ child reports by request id, so the two cannot be told apart (a node excludes th
 from the request's next lookup, so this is the rarer case). A finished request leaves nothing
 behind: a child's receive for a request the node no longer knows, once that child has had a
 fence, is taken as a late report of a fence that ended with the free (the node remembers which
-children raised, not which requests). Fenced reports are counted as ``fenced.<child>``, not as
+children raised, not which requests); so are, on several KV cache groups, bad blocks such a
+child names while it loads nothing (on one group they go up, marking freed blocks invalid at
+worst; several groups take no block ids). Fenced reports are counted as ``fenced.<child>``, not as
 violations: the child cannot know the load was given up.
 """
 
@@ -82,6 +84,16 @@ class Fences:
             return blocks
         self._guard.fenced(child, f"bad blocks {sorted(fenced)} of a failed load")
         return blocks - fenced
+
+    def late_report(self, child: int, what: str) -> bool:
+        """``child`` reports something no load of it claims (on several KV cache groups, bad
+        blocks while it loads nothing): True, dropped and counted, if it ever had a fence,
+        as a late report of a failed load whose fence ended with the free (the node
+        remembers which children raised, not which requests, as for a late receive)."""
+        if child not in self._fenced_children:
+            return False
+        self._guard.fenced(child, what)
+        return True
 
     def end_step(self) -> None:
         """After the step's errors were taken: fences whose late receive came this step end."""

@@ -104,7 +104,8 @@ class WorkerSignals:
         refuses them). Every load of the child that may hold them fails by request: its
         segments of parked stitched loads (in flight, or whose round ended this step), the
         receives it reports this step (``out``, going up failed); if it has none, its loads
-        in flight, as if it raised."""
+        in flight, as if it raised. A child loading nothing that once had a fence reports
+        late, for a failed load whose blocks vLLM has freed (``Fences.late_report``)."""
         hit = self.stitches.fail_segments_of(child)
         mine = self._step_receives.get(child)
         if mine and out is not None:
@@ -114,6 +115,8 @@ class WorkerSignals:
             return
         if any(owner == child for owner in self._recv_owner.values()):
             self.fail_loads_of(child)
+            return
+        if self.fences.late_report(child, "bad blocks while loading nothing, after a failed load"):
             return
         self._guard.violation(
             child, "unowned_bad_blocks", "named bad blocks while loading nothing; dropped"

@@ -24,12 +24,16 @@ from kvcompose.testing.trees import chain, kvcompose_config, prompt
 def make(tiny_model: Path) -> Iterator[Callable[..., SchedulerHarness]]:
     made: list[SchedulerHarness] = []
 
-    def build(tree: dict[str, Any], **kw: Any) -> SchedulerHarness:
+    def build(tree: dict[str, Any], *, hma: bool = False, **kw: Any) -> SchedulerHarness:
+        """``hma``: the root is ``KVComposeHMA`` (for ``sliding_window``: 2 groups)."""
         kw.setdefault("block_size", BLOCK)
         kw.setdefault("with_worker", True)
         kw.setdefault("max_model_len", 256)
         kw.setdefault("num_blocks", 64)
-        h = SchedulerHarness(tiny_model, kvcompose_config(tree), **kw)
+        config = kvcompose_config(tree)
+        if hma:
+            config["kv_connector"] = "KVComposeHMA"
+        h = SchedulerHarness(tiny_model, config, **kw)
         made.append(h)
         return h
 
@@ -423,4 +427,42 @@ def test_a_fence_ends_when_its_request_is_freed(make):
     for _ in range(10):
         h.step()
     assert "r1" not in str(h.worker_connector.live_requests())
+    h.assert_clean()
+
+
+def test_late_bad_blocks_of_a_freed_request_on_two_groups_are_fenced(make):
+    """Found by the machine (hma-stitch): on 2 KV cache groups, d raises in start_load_kv
+    for r1's async load, so the node fails it by request (policy ``fail``: vLLM finishes
+    r1 and frees its blocks, which ends d's fence). d's transfer goes on and two steps later
+    names r1's bad blocks. On one group such a late report marks freed blocks invalid at
+    worst; on several groups, where no block id may go up, the node took it for a fresh
+    failure of d's (``fail_by_request``) and, d loading nothing, counted a contract
+    violation against a child that kept the contract. It is a fenced late report."""
+    d = script(
+        "rel.d",
+        Behaviour(),
+        r1=Behaviour(
+            tokens=48,
+            is_async=True,
+            load="invalid",
+            load_steps=3,
+            raise_in=frozenset({"start_load_kv"}),
+        ),
+    )
+    tree = chain("root", leaf("d", "rel.d", connector="ScriptedHMAConnector"))
+    h = make(
+        tree,
+        kv_load_failure_policy="fail",
+        num_blocks=256,
+        sliding_window=2 * BLOCK,
+        hma=True,
+    )
+    assert h.connector.scheduler_side.by_request, "the model has 2 KV cache groups"
+    h.add_request(prompt(80, seed=1), max_tokens=1, request_id="r1")
+    keeper(h)
+    h.run_until_idle(max_steps=40)
+    assert any(c[:2] == ("raise", "start_load_kv") for c in d.calls)
+    assert any(c[0] == "invalid_report" for c in d.calls), "d named r1's bad blocks late"
+    violations = dict(h.worker_connector.guard.violations)
+    assert not violations, f"violations from a child that kept the contract: {violations}"
     h.assert_clean()
