@@ -196,10 +196,13 @@ class _Load:
     invalid_block: int = 0
 
     def bad_blocks(self) -> list[int]:
-        if not self.block_ids:
+        # Never vLLM's null block (id 0, ``BlockPool.null_block``): it holds no KV (a sliding
+        # window's blocks behind the window), so no connector loads into it or names it.
+        real = [b for b in self.block_ids if b != 0]
+        if not real:
             return []
-        i = min(self.invalid_block, len(self.block_ids) - 1)
-        return [self.block_ids[i]]
+        i = min(self.invalid_block, len(real) - 1)
+        return [real[i]]
 
 
 @dataclass

@@ -272,7 +272,9 @@ class Checks:
                 elif kind == "recv_report":
                     recv[call[1]].add((name, call[2]))
                 elif kind == "sync_load" and self.by_request:
-                    recv[call[1]].add((name, call[2]))  # parked: the step ends its part
+                    # parked: the step ends its part; a failure shows as the bad blocks it
+                    # names (none, if all its blocks are the null block: nothing to fail)
+                    recv[call[1]].add((name, False))
                 elif kind == "send_report":
                     self.sent[call[1]].add(name)
                 elif kind == "raise":
@@ -510,11 +512,11 @@ class Checks:
                 if bad and name in self.loads.get(rid, ()) and (name, rid) not in fenced_before:
                     failed.add(rid)
         for name, bad_reports in self.step_bad_reports.items():
-            for _, rids in bad_reports:
+            for bad, rids in bad_reports:
                 failed.update(
                     rid
                     for rid in rids
-                    if name in self.loads.get(rid, ()) and (name, rid) not in fenced_before
+                    if bad and name in self.loads.get(rid, ()) and (name, rid) not in fenced_before
                 )
         self.seg_failed -= self.step_recovery_allocs
         self.seg_failed |= failed
