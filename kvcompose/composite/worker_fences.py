@@ -21,10 +21,11 @@ child reports by request id, so the two cannot be told apart (a node excludes th
 from the request's next lookup, so this is the rarer case). A finished request leaves nothing
 behind: a child's receive for a request the node no longer knows, once that child has had a
 fence, is taken as a late report of a fence that ended with the free (the node remembers which
-children raised, not which requests); so are, on several KV cache groups, bad blocks such a
-child names while it loads nothing (on one group they go up, marking freed blocks invalid at
-worst; several groups take no block ids). Fenced reports are counted as ``fenced.<child>``, not as
-violations: the child cannot know the load was given up.
+children raised, not which requests). On several KV cache groups, where no block id may go
+up, bad blocks that no load claims are such a late report too when they come with a dropped
+late receive, or when the child loads nothing: they fail none of its other loads (on one
+group they go up, marking freed blocks invalid at worst). Fenced reports are counted as
+``fenced.<child>``, not as violations: the child cannot know the load was given up.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Fences:
         self._fences: dict[int, dict[str, frozenset[int]]] = {}
         self._ending: list[tuple[int, str]] = []
         self._fenced_children: set[int] = set()  # every child that ever had a fence
+        self._late: set[int] = set()  # children whose late receive was dropped this step
 
     def __bool__(self) -> bool:
         return bool(self._fenced_children)
@@ -66,12 +68,14 @@ class Fences:
         if req_id not in self._fences.get(child, ()):
             if owner is None and child in self._fenced_children:
                 self._guard.fenced(child, f"receive of {req_id}, freed since its load failed")
+                self._late.add(child)
                 return True
             return False
         self._ending.append((child, req_id))
         if owner == child:
             return False
         self._guard.fenced(child, f"receive of {req_id}'s failed load")
+        self._late.add(child)
         return True
 
     def drop(self, child: int, blocks: set[int]) -> set[int]:
@@ -85,12 +89,14 @@ class Fences:
         self._guard.fenced(child, f"bad blocks {sorted(fenced)} of a failed load")
         return blocks - fenced
 
-    def late_report(self, child: int, what: str) -> bool:
-        """``child`` reports something no load of it claims (on several KV cache groups, bad
-        blocks while it loads nothing): True, dropped and counted, if it ever had a fence,
-        as a late report of a failed load whose fence ended with the free (the node
-        remembers which children raised, not which requests, as for a late receive)."""
-        if child not in self._fenced_children:
+    def late_report(self, child: int, what: str, *, loading: bool) -> bool:
+        """``child`` names bad blocks no load of it claims (several KV cache groups, where
+        they cannot go up): True, dropped and counted, if they are a failed load's late
+        report: the child's late receive was dropped this step (a child reports a load's
+        bad blocks with its receive), or, ``loading`` nothing, it ever had a fence (whose
+        load vLLM freed since: the node remembers which children raised, not which
+        requests, as for a late receive)."""
+        if child not in self._late and (loading or child not in self._fenced_children):
             return False
         self._guard.fenced(child, what)
         return True
@@ -100,6 +106,7 @@ class Fences:
         for child, req_id in self._ending:
             self._end(child, req_id)
         self._ending.clear()
+        self._late.clear()
 
     def end_freed(self, req_ids: Iterable[str]) -> None:
         """vLLM freed these requests' blocks: their fences end, so a finished request leaves

@@ -104,8 +104,9 @@ class WorkerSignals:
         refuses them). Every load of the child that may hold them fails by request: its
         segments of parked stitched loads (in flight, or whose round ended this step), the
         receives it reports this step (``out``, going up failed); if it has none, its loads
-        in flight, as if it raised. A child loading nothing that once had a fence reports
-        late, for a failed load whose blocks vLLM has freed (``Fences.late_report``)."""
+        in flight, as if it raised. Bad blocks that come with a late receive the fences
+        dropped, or from a child loading nothing that once had a fence, are that failed
+        load's late report (``Fences.late_report``): dropped, counted."""
         hit = self.stitches.fail_segments_of(child)
         mine = self._step_receives.get(child)
         if mine and out is not None:
@@ -113,10 +114,11 @@ class WorkerSignals:
             hit = True
         if hit:
             return
-        if any(owner == child for owner in self._recv_owner.values()):
-            self.fail_loads_of(child)
+        loading = any(owner == child for owner in self._recv_owner.values())
+        if self.fences.late_report(child, "bad blocks of a failed load, late", loading=loading):
             return
-        if self.fences.late_report(child, "bad blocks while loading nothing, after a failed load"):
+        if loading:
+            self.fail_loads_of(child)
             return
         self._guard.violation(
             child, "unowned_bad_blocks", "named bad blocks while loading nothing; dropped"

@@ -466,3 +466,39 @@ def test_late_bad_blocks_of_a_freed_request_on_two_groups_are_fenced(make):
     violations = dict(h.worker_connector.guard.violations)
     assert not violations, f"violations from a child that kept the contract: {violations}"
     h.assert_clean()
+
+
+def test_late_bad_blocks_on_two_groups_fail_no_other_load(make):
+    """Found by the machine (hma-chain-first): on 2 KV cache groups, a raises in
+    start_load_kv for r1's async load, so the node fails it (policy ``fail``: r1 ends and
+    its blocks are freed, which ends a's fence). a's transfer goes on: it reports r1's
+    receive late, with a bad block, while its load of r2 is in flight. The node drops the
+    late receive, but took the bad block, which no load claims, for a failure of a's and
+    failed every load of a in flight: r2 ended in an error it had nothing to do with."""
+    a = script(
+        "rel.a",
+        Behaviour(),
+        r1=Behaviour(
+            tokens=48,
+            is_async=True,
+            load="invalid",
+            load_steps=3,
+            raise_in=frozenset({"start_load_kv"}),
+        ),
+        r2=Behaviour(tokens=48, is_async=True, load_steps=6),
+    )
+    tree = chain("root", leaf("a", "rel.a", connector="ScriptedHMAConnector"))
+    h = make(
+        tree, kv_load_failure_policy="fail", num_blocks=256, sliding_window=2 * BLOCK, hma=True
+    )
+    r1 = h.add_request(prompt(80, seed=1), max_tokens=2, request_id="r1")
+    h.step()
+    h.step()
+    r2 = h.add_request(prompt(80, seed=2), max_tokens=2, request_id="r2")
+    h.run_until_idle(max_steps=40)
+    assert any(c[:2] == ("raise", "start_load_kv") for c in a.calls)
+    assert any(c[0] == "invalid_report" and c[2] == ("r1",) for c in a.calls)
+    assert "error" in str(r1.get_finished_reason()).lower()
+    assert "error" not in str(r2.get_finished_reason()).lower(), "r2's good load was failed"
+    assert a.recv_reports("r2") == [False]
+    h.assert_clean()
