@@ -86,6 +86,8 @@ def _tree(
     fastest = isinstance(node, Chain) and node.policy == "fastest"
     for index, child in enumerate(node.children):
         sub = _tree(config, child, saves, _child_tag(node, child, index), branch)
+        if child.eject is not None:
+            sub.add(f"[yellow]{escape(child.eject.describe())}[/yellow]")
         support = child.range_support() if isinstance(child, Leaf) else known_range_support(None)
         if fastest:
             prior = child.expect_read if isinstance(child, Leaf) else None

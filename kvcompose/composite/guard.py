@@ -15,7 +15,11 @@ It does three things, and nothing else:
   re-raises, with a note naming the node, the child and the method, and every node above lets
   it through too (whatever its own policy). A child whose lookups raise ``MAX_LOOKUP_ERRORS``
   times is taken out of lookups for new requests (it still hears allocations and finishes),
-  with a log line.
+  with a log line;
+- **ejects outliers**: a child with an ``eject`` rule is skipped in lookups for a back-off
+  window after its rule's failed calls in a row (errors, slow lookups, lookup deadlines), then
+  asked again, instead of being taken out for good (``kvcompose.composite.outliers``). The
+  lookup reads both through ``disabled``, and asks the children through ``watch_lookups``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
+
+from kvcompose.composite.outliers import OutOfLookups
+from kvcompose.tree.ejection import EjectRule
 
 logger = logging.getLogger("kvcompose")
 
@@ -57,6 +64,7 @@ class Guard:
         strict: bool,
         on_error: list[str],
         count: Callable[[str], None] | None = None,
+        eject: list[EjectRule | None] | None = None,
     ) -> None:
         self.node_name = node_name
         self._count = count or (lambda key: None)
@@ -66,10 +74,31 @@ class Guard:
         self.violations: Counter[tuple[str, str]] = Counter()
         self.errors: Counter[tuple[str, str]] = Counter()
         self.lookup_errors: Counter[int] = Counter()
-        self.disabled: set[int] = set()
-        #: Called after a child is taken out of lookups (the scheduler half then stops
-        #: answering lookups on its fast path, which asks every candidate).
+        #: Called after a child is taken out of lookups or let back in (the scheduler half
+        #: answers lookups on its fast path, which asks every candidate, only while none is).
         self.on_disable: list[Callable[[], None]] = []
+        #: The children lookups skip now: out for good, or ejected by their rule.
+        self.disabled = OutOfLookups(
+            node_name,
+            child_names,
+            eject or [None] * len(child_names),
+            self._count,
+            self._out_changed,
+        )
+
+    def _out_changed(self) -> None:
+        for hook in self.on_disable:
+            hook()
+
+    # ------------------------------------------------------------- ejection
+    def watch_lookups(self, lookups: list[Callable[..., Any]]) -> list[Callable[..., Any]]:
+        """The children's ``get_num_new_matched_tokens``, each child with an ``eject`` rule's
+        timed against it (``OutOfLookups.watch``); the others unchanged."""
+        return [self.disabled.watch(i, ask) for i, ask in enumerate(lookups)]
+
+    def lookup_timed_out(self, child: int) -> None:
+        """A child still answered "still looking" at the node's lookup deadline."""
+        self.disabled.failed(child, "still looking at the lookup deadline")
 
     # ------------------------------------------------------------ violations
     def violation(self, child: int, kind: str, detail: str) -> None:
@@ -153,12 +182,17 @@ class Guard:
                 )
                 setattr(exc, _FAILING, True)
             raise exc
-        if where == "get_num_new_matched_tokens":
+        if self.disabled.rules[child] is not None:
+            # under an ejection rule, any failed call counts; the rule takes the child out
+            self.disabled.failed(child, f"{type(exc).__name__} in {where}")
+        elif where == "get_num_new_matched_tokens":
             self.lookup_errors[child] += 1
-            if self.lookup_errors[child] >= MAX_LOOKUP_ERRORS and child not in self.disabled:
+            if (
+                self.lookup_errors[child] >= MAX_LOOKUP_ERRORS
+                and child not in self.disabled.for_good
+            ):
                 self.disabled.add(child)
-                for hook in self.on_disable:
-                    hook()
+                self._out_changed()
                 logger.error(
                     "kvcompose[%s]: child %r failed %d lookups; it is no longer asked "
                     "to look up new requests",

@@ -169,8 +169,14 @@ class CompositeConnector(KVConnectorBase_V1):
         self.counters = NodeCounters(names)
         on_error = [c.spec.on_error for c in built]
         self.guard = Guard(
-            self.name, names, strict=self.strict, on_error=on_error, count=self.counters.inc
+            self.name,
+            names,
+            strict=self.strict,
+            on_error=on_error,
+            count=self.counters.inc,
+            eject=[c.spec.eject for c in built],
         )
+        self.counters.on_lookup_timeout = self.guard.lookup_timed_out
         self.children = Children(built, self.guard)
         # vLLM's SimpleCPUOffload discovery duck-types on ``_connectors``.
         self._connectors = self.children.connectors

@@ -129,7 +129,9 @@ class CompositeScheduler(SchedulerForwarding):
         children = self.children
         children.refresh()
         connectors = children.connectors
-        self.lookup.refresh([c.get_num_new_matched_tokens for c in connectors])
+        self.lookup.refresh(
+            self.guard.watch_lookups([c.get_num_new_matched_tokens for c in connectors])
+        )
         self.allocs = [c.update_state_after_alloc for c in connectors]
         self.stitches.allocs = self.allocs
         self._every_alloc = tuple(enumerate(self.allocs))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -54,6 +54,8 @@ class NodeCounters:
         self._totals: defaultdict[str, float] = defaultdict(int)
         self._drained: dict[str, int] = {}
         self._hit_keys = [(f"hits.{n}", f"hit_tokens.{n}") for n in child_names]
+        #: told which child was still looking at a lookup deadline (the guard's ejection)
+        self.on_lookup_timeout: Callable[[int], None] | None = None
 
     @property
     def totals(self) -> defaultdict[str, float]:
@@ -87,6 +89,8 @@ class NodeCounters:
 
     def lookup_timeout(self, child: int) -> None:
         self.inc(f"lookup_timeouts.{self.child_names[child]}")
+        if self.on_lookup_timeout is not None:
+            self.on_lookup_timeout(child)
 
     def drain(self) -> dict[str, int]:
         """Counts since the previous ``drain``."""
@@ -230,6 +234,30 @@ PROM_COUNTERS = (
         "vllm:kvcompose_lookup_timeouts",
         ("child",),
         "Children still answering None at a kvcompose node's lookup deadline.",
+    ),
+    (
+        "ejections",
+        "vllm:kvcompose_ejections",
+        ("child",),
+        "Times a kvcompose node ejected a child from lookups (its `eject` rule).",
+    ),
+    (
+        "ejected_lookups",
+        "vllm:kvcompose_ejected_lookups",
+        ("child",),
+        "Lookups a kvcompose node skipped an ejected child in.",
+    ),
+    (
+        "slow_lookups",
+        "vllm:kvcompose_slow_lookups",
+        ("child",),
+        "Lookups slower than the child's `eject.slow_ms` (each counts as a failure).",
+    ),
+    (
+        "readmissions",
+        "vllm:kvcompose_readmissions",
+        ("child",),
+        "Ejected children a kvcompose node let back into lookups after a trial in time.",
     ),
     (
         "violations",

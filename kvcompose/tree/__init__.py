@@ -7,6 +7,7 @@ vLLM, no YAML.
 
 from kvcompose.tree.conditions import RequestCondition, load_predicate, matches
 from kvcompose.tree.document import VERSION, Document, json_schema
+from kvcompose.tree.ejection import EjectRule
 from kvcompose.tree.fields import (
     DEFAULT_LOOKUP_TIMEOUT_S,
     KNOWN_KV_TRANSFER_FIELDS,
@@ -51,6 +52,7 @@ __all__ = [
     "Chain",
     "Composite",
     "Document",
+    "EjectRule",
     "ErrorPolicy",
     "ExpectRead",
     "Fanout",

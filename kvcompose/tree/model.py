@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from kvcompose.tree.conditions import RequestCondition
+from kvcompose.tree.ejection import EjectField
 from kvcompose.tree.fields import (
     DEFAULT_LOOKUP_TIMEOUT_S,
     NAME_PATTERN,
@@ -160,6 +161,7 @@ class Leaf(_Node):
     )
     save: SaveField = True
     on_error: OnErrorField = "miss"
+    eject: EjectField = None
     params_keys: list[str] | None = Field(
         None,
         description="The `kv_transfer_params` keys this connector produces when a "
@@ -248,6 +250,7 @@ class Chain(_Node):
     lookup_timeout_s: LookupTimeoutField = DEFAULT_LOOKUP_TIMEOUT_S
     save: SaveField = True
     on_error: OnErrorField = "miss"
+    eject: EjectField = None
     children: Children
 
 
@@ -263,6 +266,7 @@ class Fanout(_Node):
     lookup_timeout_s: LookupTimeoutField = DEFAULT_LOOKUP_TIMEOUT_S
     save: SaveField = True
     on_error: OnErrorField = "miss"
+    eject: EjectField = None
     children: Children
 
 
@@ -298,6 +302,7 @@ class Route(_Node):
     lookup_timeout_s: LookupTimeoutField = DEFAULT_LOOKUP_TIMEOUT_S
     save: SaveField = True
     on_error: OnErrorField = "miss"
+    eject: EjectField = None
     children: Children
 
 
