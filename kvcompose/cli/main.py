@@ -20,6 +20,7 @@ COMMANDS: tuple[str, ...] = (
     "validate",
     "explain",
     "vllm_args",
+    "serve",
     "convert",
     "schema",
     "bench",
