@@ -174,7 +174,8 @@ class CompositeConnector(KVConnectorBase_V1):
             strict=self.strict,
             on_error=on_error,
             count=self.counters.inc,
-            eject=[c.spec.eject for c in built],
+            # ejection skips lookups: the scheduler half's (a worker's errors stay its own)
+            eject=[c.spec.eject for c in built] if role is KVConnectorRole.SCHEDULER else None,
         )
         self.counters.on_lookup_timeout = self.guard.lookup_timed_out
         self.children = Children(built, self.guard)
