@@ -6,7 +6,8 @@ over one master and one pool (``kvcompose.testing.mooncake``):
 
 - engine A: ``chain/longest [local_a, shared]``
 - engine B: ``chain/stitch [local_b, shared]`` (Mooncake takes part in a stitch as
-  ``load_range: native``: looked up at the local tier's end, it loads from there on)
+  ``load_range: native``: looked up at the local tier's end, it loads from there on), its
+  shared leaf with an ejection rule (``EJECT``: a lookup slower than 1 s ejects it for 2 s)
 
 Greedy outputs are compared with one engine without any connector. Who loaded what comes
 from kvcompose's per-child counters (``hit_tokens.<child>``) and the bytes from Mooncake's
@@ -45,6 +46,8 @@ PROMPTS = {name: prompt(n, seed) for name, n, seed in [
 ]}  # fmt: skip
 #: the requests in flight when the master is killed, and how many tokens they decode
 IN_FLIGHT, LONG = ("p5", "p6"), 64
+#: B's shared leaf: ejected from lookups by one slow (or failed) lookup, for 2 s, doubling
+EJECT = {"failures": 1, "slow_ms": 1000, "backoff_s": 2}
 #: fresh prompts for the rounds after the master came back (one per round)
 AFTER = [f"after{i}" for i in range(8)]
 PROMPTS.update({name: prompt(256, 30 + i) for i, name in enumerate(AFTER)})
@@ -80,7 +83,7 @@ def engines(cluster: MooncakeCluster, model: Path, tmp_path_factory) -> dict[str
     out = {}
     for name, policy, shared_fields in [
         ("a", "longest", {}),
-        ("b", "stitch", {"load_range": "native"}),
+        ("b", "stitch", {"load_range": "native", "eject": EJECT}),
     ]:
         tree = chain(
             "tiers",
@@ -230,9 +233,12 @@ def test_blocks_removed_between_lookup_and_load_are_recomputed(engines, empty_st
 def test_master_killed_mid_run_requests_finish_and_hits_come_back(engines, empty_store, reference):
     """The master dies (SIGKILL) while both engines have a request in flight: every
     request finishes with the output of recompute (the leaf's ``on_error: miss``, vLLM's
-    ``kv_load_failure_policy: recompute``), nothing hangs; once the master is back (same
-    ports, no key: its metadata died with it), the pool re-mounts its segment, the engines'
-    clients reconnect, and a prefix A stores is loaded by B again."""
+    ``kv_load_failure_policy: recompute``), nothing hangs. B's shared leaf, whose lookup now
+    waits on the dead master (Mooncake's client answers a miss after its own timeout), is
+    ejected by its rule, and B's next requests skip it. Once the master is back (same ports,
+    no key: its metadata died with it), the pool re-mounts its segment, the engines' clients
+    reconnect, B's leaf answers its trial lookup in time and is let back in, and a prefix A
+    stores is loaded by B again."""
     cluster = empty_store
     a, b = engines["a"], engines["b"]
     assert run(a, "p5") == reference["p5"]
@@ -263,14 +269,19 @@ def test_master_killed_mid_run_requests_finish_and_hits_come_back(engines, empty
     assert not errors, errors
     assert results == {"p5": reference["p5-long"], "p6": reference["p6-long"]}
 
-    # with the master gone: lookups miss and saves fail, requests still finish
-    before = b.call(node_counters)
+    # with the master gone: lookups miss and saves fail, requests still finish; B's first
+    # lookup there is slow (or fails), which ejects its shared leaf, so the ones after it
+    # skip the leaf
+    before = start = b.call(node_counters)
     t1 = time.monotonic()
     assert run(b, "p6") == reference["p6"]  # nowhere B can reach: a miss, computed
     assert run(b, "p5") == reference["p5"]  # B's local tier saved it in the run above
+    assert run(b, "p4") == reference["p4"]
     down = time.monotonic() - t1
     hits = diff(b.call(node_counters), before)
     assert "hit_tokens.shared" not in hits, hits
+    assert hits.get("ejections.shared", 0) >= 1, f"the dead master's leaf was not ejected: {hits}"
+    assert hits.get("ejected_lookups.shared", 0) >= 1, hits
     print(f"\nmaster down: {in_flight} of 2 requests still running at the kill, done "
           f"{t1 - t0:.1f} s after it; "
           f"two more requests on B took {down:.1f} s; B's counters {hits}")  # fmt: skip
@@ -294,6 +305,8 @@ def test_master_killed_mid_run_requests_finish_and_hits_come_back(engines, empty
             break
         if time.monotonic() - t2 > 90:
             break
+    back = diff(b.call(node_counters), start)
     print(f"master back: rounds (prompt, blocks A saved, tokens B loaded) {rounds}, "
-          f"{time.monotonic() - t2:.1f} s")  # fmt: skip
+          f"{time.monotonic() - t2:.1f} s; B's counters {back}")  # fmt: skip
     assert rounds[-1][2] == FULL, f"no hit from the restarted master: {rounds}"
+    assert back.get("readmissions.shared", 0) >= 1, back
