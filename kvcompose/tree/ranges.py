@@ -14,7 +14,9 @@ stitch uses it):
   ``PrefixStoreConnector``; vLLM's ``OffloadingConnector`` searches from chunk ``a // chunk``
   (``OffloadingConnectorScheduler._lookup_complete_chunks``) and loads by absolute
   position, async; vLLM's ``MooncakeStoreConnector`` too (tests/fleet). Neither can be cut:
-  each asserts it is told what it offered.
+  each asserts it is told what it offered. LMCache's ``LMCacheMPConnector`` (tests/lmcache_mp)
+  retrieves ``[a, its hit end)`` whatever ``n > 0`` it is told (``GetRetrieveMetadata``), so
+  it cannot be cut either.
 - ``last_segment``: loads from its lookup argument to its own end and cannot be cut, so only
   as the last segment; it is handed a block view that starts at the segment's first block.
   vLLM's ``NixlConnector`` (decode side, pull) loads
@@ -75,6 +77,13 @@ _KNOWN: dict[str, RangeSupport] = {
         False,
         "looked up at a, loads its hit after a by absolute block position; asserts it is "
         "told exactly what it offered, so it cannot be cut",
+    ),
+    "LMCacheMPConnector": RangeSupport(
+        "native",
+        None,
+        False,
+        "looked up at a, offers what it holds from token 0 past a; told any n > 0 it loads "
+        "[a, its hit end) by absolute block position (async), so it cannot be cut",
     ),
     "NixlConnector": RangeSupport(
         "last_segment",
