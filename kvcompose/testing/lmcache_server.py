@@ -64,6 +64,13 @@ def lmcache_missing() -> str | None:
     return None
 
 
+def kvcompose_root() -> str:
+    """The folder the running ``kvcompose`` package is imported from."""
+    import kvcompose
+
+    return str(Path(kvcompose.__file__).resolve().parents[1])
+
+
 def _port_open(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
@@ -289,10 +296,12 @@ class LMCacheServer:
         }
 
     def spawn_env(self) -> dict[str, str]:
-        """What an LMCache engine process must start with (see the module's docstring)."""
+        """What an LMCache engine process must start with (see the module's docstring); the
+        folder this kvcompose is imported from comes right after the site folder, so the
+        ``sitecustomize`` imports the same kvcompose as this process."""
         env = mooncake_env({**os.environ, **LMCACHE_ENV})
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        env["PYTHONPATH"] = os.pathsep.join([str(self.site), *paths])
+        env["PYTHONPATH"] = os.pathsep.join([str(self.site), kvcompose_root(), *paths])
         return env
 
     def engine(
