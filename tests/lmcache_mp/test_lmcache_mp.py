@@ -5,9 +5,14 @@ Engines, all running for the whole module, one server:
 
 - ``reference``: no connector (recompute);
 - ``a``, ``b``: ``LMCacheMPConnector`` given to vLLM directly;
-- ``longest``, ``first``: ``chain [store, lmcache]`` with that policy, each with a local
-  ``PrefixStoreConnector`` directory of its own, the LMCache leaf ``on_error: miss`` and
-  vLLM's ``kv_load_failure_policy: recompute``.
+- ``longest``, ``first``, ``stitch``: ``chain [store, lmcache]`` with that policy, each with
+  a local ``PrefixStoreConnector`` directory of its own, the LMCache leaf ``on_error: miss``,
+  a lookup timeout of a few seconds and vLLM's ``kv_load_failure_policy: recompute``;
+- ``prefill``, ``decode`` (started for the P/D test): vLLM's ``NixlConnector`` on P;
+  ``chain longest [nixl, lmcache]`` on D, NIXL first as docs/lmcache.md recommends.
+
+The test that kills the server runs after the others that need the server (the engines given
+LMCache directly do not recover).
 
 A prompt is 256 tokens (8 blocks of 32, 4 LMCache chunks of 64) unless said otherwise:
 LMCache finds the whole prompt and loads 255 tokens (vLLM computes the last one), the store
@@ -17,12 +22,15 @@ finds the 7 blocks inside ``prompt[:-1]``. Who loaded what comes from vLLM's
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvcompose.engine.process import EngineProcess
+from kvcompose.engine.process import EngineError, EngineProcess
+from kvcompose.testing import pd as pd_bed
 from kvcompose.testing.lmcache_engine import (
     corrupt_after_next_load,
     corruption_report,
@@ -30,6 +38,7 @@ from kvcompose.testing.lmcache_engine import (
 )
 from kvcompose.testing.lmcache_server import LMCacheServer
 from kvcompose.testing.mooncake import node_counters
+from kvcompose.testing.ports import free_port
 from kvcompose.testing.trees import chain, kvcompose_config, prefix_store_leaf, prompt
 
 pytestmark = [pytest.mark.engine, pytest.mark.lmcache, pytest.mark.timeout(600)]
@@ -42,10 +51,19 @@ MAX_TOKENS = 6
 #: 6 blocks inside prompt[:-1] (192 tokens), LMCache its 3 whole chunks (192 tokens).
 PROMPTS = {name: prompt(n, seed) for name, n, seed in [
     ("direct", 256, 41), ("neg", 256, 42), ("leaf", 256, 43), ("leaf-neg", 256, 44),
-    ("tie", 200, 45), ("first", 256, 46),
+    ("tie", 200, 45), ("first", 256, 46), ("first2", 256, 47), ("stitch", 256, 48),
+    ("pd", 256, 49), ("pd2", 256, 50), ("kill", 256, 51), ("down", 256, 52),
 ]}  # fmt: skip
+PROMPTS["stitch-head"] = PROMPTS["stitch"][:100]
+#: fresh prompts for the rounds after the server came back
+AFTER = [f"after{i}" for i in range(24)]
+PROMPTS.update({name: prompt(256, 60 + i) for i, name in enumerate(AFTER)})
 #: what LMCache loads of a 256-token prompt it holds whole; what the store loads of it
 WHOLE, STORE = 255, 7 * BLOCK
+#: decode this long while the server is killed
+LONG = 48
+#: seconds a kvcompose node waits for a child answering "still looking"
+LOOKUP_TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +76,11 @@ def engines(server: LMCacheServer, model: Path, tmp_path_factory) -> dict[str, E
         "a": server.connector_config(),
         "b": server.connector_config(),
     }
-    for policy in ("longest", "first"):
-        tree = chain("tiers", prefix_store_leaf("store", tmp / policy), lmcache, policy=policy)
+    for policy in ("longest", "first", "stitch"):
+        tree = chain(
+            "tiers", prefix_store_leaf("store", tmp / policy), lmcache,
+            policy=policy, lookup_timeout_s=LOOKUP_TIMEOUT_S,
+        )  # fmt: skip
         configs[policy] = kvcompose_config(tree, kv_load_failure_policy="recompute")
     out = {
         name: server.engine(name, model, cfg, llm_kwargs=LLM_KWARGS, wait=False)
@@ -74,13 +95,48 @@ def engines(server: LMCacheServer, model: Path, tmp_path_factory) -> dict[str, E
 def reference(engines: dict[str, EngineProcess]) -> dict[str, list[int]]:
     """Every prompt's greedy output, computed by the engine without a connector."""
     outs = engines["reference"].generate(list(PROMPTS.values()), MAX_TOKENS)
-    return {name: out[0] for name, out in zip(PROMPTS, outs, strict=True)}
+    ref = {name: out[0] for name, out in zip(PROMPTS, outs, strict=True)}
+    ref["kill-long"] = engines["reference"].generate([PROMPTS["kill"]], LONG)[0][0]
+    return ref
+
+
+@pytest.fixture(scope="module")
+def pd(server: LMCacheServer, model: Path, engines) -> dict[str, pd_bed.EngineProcess]:
+    """A prefill engine (NIXL) and a decode engine (``chain longest [nixl, lmcache]``),
+    started after the module's other engines (the server stops them all)."""
+    nixl = {"kind": "leaf", "name": "nixl", "connector": "NixlConnector",
+            "kv_buffer_device": "cpu", "extra_config": {"backends": ["UCX"]}}  # fmt: skip
+    lmcache = server.leaf("lmcache", fields={"on_error": "miss"})
+    decode = chain("decode", nixl, lmcache, policy="longest")
+    configs = {
+        "prefill": pd_bed.NIXL_CPU_CONFIG,
+        "decode": kvcompose_config(decode, kv_load_failure_policy="recompute"),
+    }
+    out = {
+        name: server.engine(
+            name, model, cfg, llm_kwargs=LLM_KWARGS, wait=False, engine_class=pd_bed.EngineProcess,
+            env=pd_bed.engine_env(VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port())),
+        )
+        for name, cfg in configs.items()
+    }  # fmt: skip
+    for engine in out.values():
+        engine.wait_started()
+    return out
+
+
+def generate(engine: EngineProcess, name: str, max_tokens: int = MAX_TOKENS) -> list[int]:
+    """Greedy output of prompt ``name``, once the engine's saves of it are done: LMCache
+    holds a finished request's blocks until its server has stored them (``request_finished``
+    returns True), and the engine steps on while idle until then."""
+    tokens = engine.generate([PROMPTS[name]], max_tokens)[0][0]
+    assert engine.wait_idle(60), f"{engine.name}: the saves of {name!r} never finished"
+    return tokens
 
 
 def run(engine: EngineProcess, name: str) -> tuple[list[int], int]:
     """Greedy output of prompt ``name`` on ``engine``, and the tokens it loaded for it."""
     before = engine.call(external_hit_tokens)
-    tokens = engine.generate([PROMPTS[name]], MAX_TOKENS)[0][0]
+    tokens = generate(engine, name)
     return tokens, int(engine.call(external_hit_tokens) - before)
 
 
@@ -88,7 +144,7 @@ def hits(engine: EngineProcess, run_it: str) -> tuple[list[int], dict[str, float
     """Greedy output of prompt ``run_it`` on a kvcompose engine, and its per-child hit
     tokens for it."""
     before = engine.call(node_counters)
-    tokens = engine.generate([PROMPTS[run_it]], MAX_TOKENS)[0][0]
+    tokens = generate(engine, run_it)
     after = engine.call(node_counters)
     return tokens, {
         k.removeprefix("hit_tokens."): v - before.get(k, 0)
@@ -135,3 +191,111 @@ def test_negative_control_as_a_leaf(engines, reference):
     tokens, by_child = hits(tree, "leaf-neg")
     assert by_child == {"lmcache": WHOLE}
     assert tokens != reference["leaf-neg"]
+
+
+def test_longest_tie_goes_to_the_store_and_lmcache_saves_through(engines, reference):
+    """A 200-token prompt: the store finds 6 blocks (192 tokens), LMCache 3 chunks (192
+    tokens). The chain computed it and saved it to both; on the tie the earlier child, the
+    store, loads, and LMCache holds it too: a direct engine loads it from there."""
+    tree, b = engines["longest"], engines["b"]
+    assert hits(tree, "tie") == (reference["tie"], {})
+    assert hits(tree, "tie") == (reference["tie"], {"store": 192})
+    assert run(b, "tie") == (reference["tie"], 192)
+
+
+def test_stitch_store_head_then_lmcache_from_a_block_inside_its_chunk(engines, reference):
+    """``stitch [store, lmcache]``: the store holds the first 3 blocks (96 tokens), LMCache
+    the whole prompt. LMCache, native from any block boundary, loads [96, 255): its
+    retrieve starts at its chunk floor (64) and skips what lies before 96."""
+    a, tree = engines["a"], engines["stitch"]
+    # the first 100 tokens: the store saves 3 blocks, LMCache 1 chunk
+    assert hits(tree, "stitch-head") == (reference["stitch-head"], {})
+    assert run(a, "stitch") == (reference["stitch"], 64)  # LMCache now holds all 4 chunks
+    assert hits(tree, "stitch") == (reference["stitch"], {"store": 96, "lmcache": WHOLE - 96})
+
+
+def test_pd_over_nixl_with_lmcache_on_the_decode_side(engines, pd, reference):
+    """D runs ``chain longest [nixl, lmcache]``. With P's hand-off NIXL owns the whole
+    prompt (256 tokens, longer than LMCache's 255) even when LMCache holds it too (LMCache is
+    told 0); without one, NIXL has nothing and LMCache serves the prefix another engine
+    stored."""
+    a = engines["a"]
+    assert run(a, "pd") == (reference["pd"], 0)  # LMCache holds "pd" too
+    handoff = pd["prefill"].generate([PROMPTS["pd"]], 1, {"do_remote_decode": True})[0][1]
+    before = pd["decode"].call(node_counters)
+    tokens = pd["decode"].generate([PROMPTS["pd"]], MAX_TOKENS, handoff)[0][0]
+    after = pd["decode"].call(node_counters)
+    assert tokens == reference["pd"]
+    assert after.get("hit_tokens.nixl", 0) - before.get("hit_tokens.nixl", 0) == 256
+    assert after.get("hit_tokens.lmcache", 0) == before.get("hit_tokens.lmcache", 0)
+    assert pd["prefill"].wait_idle(60), "P still holds the request after D pulled it"
+
+    assert run(a, "pd2") == (reference["pd2"], 0)
+    assert hits(pd["decode"], "pd2") == (reference["pd2"], {"lmcache": WHOLE})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=EngineError,
+    reason="kvcompose's first asks no child after the first hit, and LMCacheMPConnector "
+    "creates a request's tracker only in its lookup: on the store's hit its "
+    "build_connector_meta asserts 'Request tracker ... not found' and the step fails",
+)
+def test_first_takes_the_first_child_with_a_hit_and_the_store_saves_through(engines, reference):
+    """``first [store, lmcache]``: a prefix only LMCache holds is loaded from LMCache and
+    saved through to the store; the next time the store, asked first, owns it although
+    LMCache's hit is longer (255 against 224 tokens). No other test uses the ``first`` engine
+    (a failing step leaves it unusable)."""
+    a, tree = engines["a"], engines["first"]
+    assert run(a, "first2") == (reference["first2"], 0)
+    assert hits(tree, "first2") == (reference["first2"], {"lmcache": WHOLE})
+    assert hits(tree, "first2") == (reference["first2"], {"store": STORE})
+
+
+def test_server_killed_mid_run_requests_finish_and_hits_come_back(server, engines, reference):
+    """The server dies (SIGKILL) while the chain loads and decodes a prompt: the request
+    finishes with recompute's output (``on_error: miss``, ``kv_load_failure_policy:
+    recompute``), nothing hangs, later requests compute; once the server is back (same
+    ports, empty), a prefix one chain stores is loaded by another again."""
+    tree, other = engines["longest"], engines["stitch"]
+    assert hits(tree, "kill") == (reference["kill"], {})  # stored in LMCache (and its store)
+    result: list[Any] = []
+
+    def in_flight() -> None:
+        try:
+            result.append(generate(other, "kill", LONG))
+        except BaseException as exc:  # re-raised below, in the test's thread
+            result.append(exc)
+
+    thread = threading.Thread(target=in_flight)
+    thread.start()
+    time.sleep(0.5)
+    server.kill()
+    t_kill = time.monotonic()
+    thread.join(timeout=240)
+    done_s = time.monotonic() - t_kill
+    assert not thread.is_alive(), "a request hangs after the server died"
+    assert result == [reference["kill-long"]]
+
+    t0 = time.monotonic()
+    assert hits(other, "down") == (reference["down"], {})  # nowhere to look: computed
+    down_s = time.monotonic() - t0
+
+    server.restart()
+    t1 = time.monotonic()
+    rounds = []
+    # the engines' clients register their KV caches with the new server on their own, a few
+    # seconds after it is back (stores from an engine not yet registered are refused): each
+    # round one chain computes a fresh prompt, the other looks it up, until it loads it
+    for name in AFTER:
+        assert hits(tree, name) == (reference[name], {})
+        tokens, by_child = hits(other, name)
+        assert tokens == reference[name]
+        rounds.append(by_child)
+        if by_child.get("lmcache") == WHOLE or time.monotonic() - t1 > 90:
+            break
+        time.sleep(2)
+    print(f"\nserver killed: the request in flight done (saves included) {done_s:.1f} s "
+          f"later; a request while down took {down_s:.1f} s; after the restart, "
+          f"{time.monotonic() - t1:.1f} s: {rounds}")  # fmt: skip
+    assert rounds[-1] == {"lmcache": WHOLE}, rounds
