@@ -1,0 +1,236 @@
+"""kvcompose's store beside LMCache's multi-process mode, on chat and document QA.
+
+    flock /tmp/kvcompose-engine.lock .venv-lmcache/bin/python benchmarks/lmcache_peer.py
+
+runs ``kvcompose bench`` once per workload (``--workloads``, default ``chat,docqa``) with six
+contenders in rotated rounds (``--repeats``, default 3):
+
+- ``recompute``: no connector;
+- ``store``: kvcompose's ``PrefixStoreConnector`` on tmpfs, given to vLLM directly;
+- ``lmcache``: vLLM's ``LMCacheMPConnector`` against one ``lmcache server``, given directly;
+- ``lmcache-leaf``: the same connector as the only leaf of a kvcompose tree;
+- ``longest``, ``fastest``: a kvcompose chain [store, lmcache] with that policy.
+
+Every contender starts from the same content: the workload's ``disk`` set (each returning
+user's history; each whole document). The bench prepares the store once and gives every run
+a fresh copy; the server is cleared (``POST /cache/clear``) and filled with the same prompts
+by an engine that keeps running beside the measured ones before every run that uses
+LMCache, so no run finds what an earlier run saved. LMCache's chunk is the engines' block
+(128 tokens), so both tiers find the same hits. The server and the engines run with the
+LMCache test bed's settings (``kvcompose.testing.lmcache_server``: the dispatcher
+workaround, ``lmcache_driven`` transfers).
+
+Results go to ``benchmarks/results/lmcache_peer/<workload>/`` (the bench's report) and
+``benchmarks/results/lmcache_peer/summary.md``: per round, each contender's TTFT p50 and
+the paired ratios the comparison asks for (store / LMCache, leaf / LMCache, fastest / the
+better of store and LMCache alone). Extra arguments go to ``kvcompose bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvcompose.bench import jobs
+from kvcompose.bench import run as bench_run
+from kvcompose.bench.summary import paired_ratios
+from kvcompose.testing.lmcache_server import LMCacheServer
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "results" / "lmcache_peer"
+#: the bench engine's block size on CPU; LMCache's chunk is set to it
+BLOCK = 128
+#: the prepared content every contender starts from (a store name of the built-in workloads)
+PREFILLED = "disk"
+#: workload sizes: about a minute a round per workload on 2 cores
+SIZES = {
+    "chat": ["--users", "4", "--rounds", "2", "--new-users", "1"],
+    "docqa": ["--docs", "2", "--questions", "8"],
+}
+
+
+def store_leaf() -> dict[str, Any]:
+    return {
+        "name": "store",
+        "connector": "PrefixStoreConnector",
+        "module_path": "kvcompose.stores",
+        "extra_config": {"path": f"{{tmpfs:{PREFILLED}}}"},
+    }
+
+
+def contender_files(server: LMCacheServer, folder: Path) -> list[str]:
+    """Write the contender files; return the bench's ``-c`` arguments."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lmcache = {"name": "lmcache", "connector": "LMCacheMPConnector",
+               "extra_config": server.extra_config()}  # fmt: skip
+    store = store_leaf()
+    direct_store = {
+        "kv_connector": store["connector"],
+        "kv_connector_module_path": store["module_path"],
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": store["extra_config"],
+    }
+    files: dict[str, tuple[str, Any]] = {
+        "store": ("json", direct_store),
+        "lmcache": ("json", server.connector_config()),
+        "lmcache-leaf": ("yaml", {"version": 1, "kv_role": "kv_both", "tree": {"leaf": lmcache}}),
+    }
+    for policy in ("longest", "fastest"):
+        tree = {"chain": {"name": "tiers", "policy": policy,
+                          "children": [{"leaf": store}, {"leaf": lmcache}]}}  # fmt: skip
+        files[policy] = ("yaml", {"version": 1, "kv_role": "kv_both", "tree": tree})
+    args = ["-c", "recompute"]
+    for label, (fmt, data) in files.items():
+        path = folder / f"{label}.{fmt}"
+        text = json.dumps(data, indent=1) if fmt == "json" else yaml.safe_dump(data)
+        path.write_text(text)
+        args += ["-c", f"{label}={path}"]
+    return args
+
+
+class Refill:
+    """Before every run that uses LMCache: clear the server and store the workload's
+    prepared prompts again, through an engine that stays up for the whole bench run (it
+    forks from the bench's preloaded server like the measured engines, with the same engine
+    settings)."""
+
+    def __init__(self, server: LMCacheServer) -> None:
+        self.server = server
+        self.stack = contextlib.ExitStack()
+        self.filler: Any = None
+        self.runs = 0
+
+    def __call__(self, run: jobs.Session, c: Any, wl: Any, warm: Any, seed: int, *rest: Any):
+        ktc = c.resolved.kv_transfer_config if c.resolved is not None else None
+        if ktc is not None and "LMCacheMPConnector" in json.dumps(ktc):
+            self.refill(run, wl, seed)
+        return ORIGINAL_RUN(run, c, wl, warm, seed, *rest)
+
+    def refill(self, run: jobs.Session, wl: Any, seed: int) -> None:
+        if self.filler is None:
+            self.filler = self.stack.enter_context(
+                jobs._engine(run.opts, run.model_dir, self.server.connector_config(), seed,
+                             run.out / "runs" / "_lmcache_filler", "lmcache-filler")
+            )  # fmt: skip
+        body = json.dumps({"tier": "l1", "force": True}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.server.http_port}/cache/clear",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            answer.read()
+        self.filler.call("kvcompose.bench.replay:prefill", wl.prefill.get(PREFILLED, []))
+        if not self.filler.wait_idle(120):  # its saves reached the server
+            raise RuntimeError("the LMCache filler's saves did not finish")
+        self.runs += 1
+
+    def close(self) -> None:
+        self.stack.close()
+        self.filler = None
+
+
+ORIGINAL_RUN = jobs.run_contender
+
+
+def summary(results: dict[str, dict[str, Any]]) -> str:
+    """The per-round TTFT p50s and the paired ratios, as Markdown."""
+    lines = ["# kvcompose's store beside LMCache's multi-process mode", ""]
+    for workload, res in results.items():
+        by = {c["label"]: c for c in res["contenders"]}
+        meta = res["meta"]
+        lines += [
+            f"## {workload}",
+            "",
+            f"{meta['started']}, {meta['machine']['cpus']} CPUs, vLLM {meta['vllm']}, "
+            f"{meta['repeats']} rounds (order rotated), {meta['workload_description']}.",
+            "",
+            "| contender | TTFT p50 ms per round | speed-up over recompute (median) "
+            "| tokens loaded | agreement |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for label, c in by.items():
+            if c["status"] != "ok":
+                lines.append(f"| {label} | {c['status']} | | | |")
+                continue
+            p50 = ", ".join(f"{v * 1000:.0f}" for v in c["ttft_p50_rounds"])
+            speed = c.get("ttft_p50_speedup")
+            agree = (c.get("agreement") or {}).get("percent")
+            lines.append(
+                f"| {label} | {p50} | {speed if speed is not None else '-'} "
+                f"| {c['hits']['tokens_loaded']:,} | "
+                f"{'-' if agree is None else f'{agree:.0f} %'} |"
+            )
+        lines += ["", "| paired ratio of TTFT p50, round by round | median | range |",
+                  "|---|---:|---|"]  # fmt: skip
+        p50 = {
+            label: c["ttft_p50_rounds"] if c["status"] == "ok" else [] for label, c in by.items()
+        }
+        store, lmc = p50.get("store", []), p50.get("lmcache", [])
+        pairs = {
+            "store / lmcache": (store, lmc),
+            "lmcache-leaf / lmcache": (p50.get("lmcache-leaf", []), lmc),
+            "longest / store": (p50.get("longest", []), store),
+            "fastest / better of store and lmcache": (
+                p50.get("fastest", []),
+                [min(s, m) for s, m in zip(store, lmc, strict=False)],
+            ),
+        }
+        for name, (num, den) in pairs.items():
+            if not num or len(num) != len(den):
+                lines.append(f"| {name} | not measured | |")
+                continue
+            p = paired_ratios(num, den)
+            ratios = ", ".join(f"{r:.2f}" for r in p.ratios)
+            lines.append(f"| {name} | {p.median:.2f} | {p.low:.2f}-{p.high:.2f} ({ratios}) |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default="chat,docqa")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds, each contender once")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args, bench_args = ap.parse_known_args(argv)
+    from kvcompose.cli.main import main as kvcompose_main
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    server = LMCacheServer(args.out / "_server", chunk_size=BLOCK)
+    refill = Refill(server)
+    results: dict[str, dict[str, Any]] = {}
+    rc = 0
+    with server:
+        # every engine the bench starts (forked from a server it spawns once) needs these
+        os.environ.update(server.spawn_env())
+        bench_run.run_contender = refill
+        contenders = contender_files(server, args.out / "contenders")
+        try:
+            for workload in args.workloads.split(","):
+                out = args.out / workload
+                rc |= kvcompose_main([
+                    "bench", "--workload", workload, "--out", str(out),
+                    "--repeats", str(args.repeats), *SIZES.get(workload, []),
+                    *contenders, *bench_args,
+                ])  # fmt: skip
+                if (out / "results.json").is_file():
+                    results[workload] = json.loads((out / "results.json").read_text())
+        finally:
+            refill.close()
+            bench_run.run_contender = ORIGINAL_RUN
+    text = summary(results)
+    (args.out / "summary.md").write_text(text)
+    print(text)
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
