@@ -16,12 +16,14 @@ user's history; each whole document). The bench prepares the store once and give
 a fresh copy; the server is cleared (``POST /cache/clear``) and filled with the same prompts
 by an engine that keeps running beside the measured ones before every run that uses
 LMCache, so no run finds what an earlier run saved. LMCache's chunk is the engines' block
-(128 tokens), so both tiers find the same hits. The server and the engines run with the
+(128 tokens), so both tiers find the same hits as long as LMCache's memory tier
+(``--l1-size-gb``, default 2) holds the working set: at 0.25 GB it holds about 8,000 of
+the built-in model's tokens (32 KiB each) and evicts. The server and the engines run with the
 LMCache test bed's settings (``kvcompose.testing.lmcache_server``: the dispatcher
 workaround, ``lmcache_driven`` transfers).
 
-Results go to ``benchmarks/results/lmcache_peer/<workload>/`` (the bench's report) and
-``benchmarks/results/lmcache_peer/summary.md``: per round, each contender's TTFT p50 and
+Results go to ``benchmarks/results/lmcache_peer/<workload>/`` (the bench's report),
+``server.json`` (the server's settings) and ``summary.md``: per round, each contender's TTFT p50 and
 the paired ratios the comparison asks for (store / LMCache, leaf / LMCache, fastest / the
 better of store and LMCache alone). Extra arguments go to ``kvcompose bench``.
 """
@@ -141,9 +143,16 @@ class Refill:
 ORIGINAL_RUN = jobs.run_contender
 
 
-def summary(results: dict[str, dict[str, Any]]) -> str:
-    """The per-round TTFT p50s and the paired ratios, as Markdown."""
-    lines = ["# kvcompose's store beside LMCache's multi-process mode", ""]
+def summary(results: dict[str, dict[str, Any]], server: dict[str, Any]) -> str:
+    """The per-round TTFT p50s and the paired ratios, as Markdown; ``server``: the LMCache
+    server's settings (``server.json``)."""
+    lines = [
+        "# kvcompose's store beside LMCache's multi-process mode",
+        "",
+        f"LMCache server: chunk {server['chunk_size']} tokens, L1 {server['l1_size_gb']:g} GB "
+        "(no L2); the store: tmpfs, unbounded.",
+        "",
+    ]
     for workload, res in results.items():
         by = {c["label"]: c for c in res["contenders"]}
         meta = res["meta"]
@@ -154,7 +163,7 @@ def summary(results: dict[str, dict[str, Any]]) -> str:
             f"{meta['repeats']} rounds (order rotated), {meta['workload_description']}.",
             "",
             "| contender | TTFT p50 ms per round | speed-up over recompute (median) "
-            "| tokens loaded | agreement |",
+            "| prompt tokens from a tier, a replay | agreement |",
             "|---|---|---:|---:|---:|",
         ]
         for label, c in by.items():
@@ -166,7 +175,7 @@ def summary(results: dict[str, dict[str, Any]]) -> str:
             agree = (c.get("agreement") or {}).get("percent")
             lines.append(
                 f"| {label} | {p50} | {speed if speed is not None else '-'} "
-                f"| {c['hits']['tokens_loaded']:,} | "
+                f"| {c['hits']['cached_tokens']:,} | "
                 f"{'-' if agree is None else f'{agree:.0f} %'} |"
             )
         lines += ["", "| paired ratio of TTFT p50, round by round | median | range |",
@@ -200,11 +209,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--workloads", default="chat,docqa")
     ap.add_argument("--repeats", type=int, default=3, help="rounds, each contender once")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument(
+        "--l1-size-gb",
+        type=float,
+        default=2.0,
+        help="the server's memory tier; below the working set (about 0.3 GB on chat) it evicts",
+    )
     args, bench_args = ap.parse_known_args(argv)
     from kvcompose.cli.main import main as kvcompose_main
 
     args.out.mkdir(parents=True, exist_ok=True)
-    server = LMCacheServer(args.out / "_server", chunk_size=BLOCK)
+    settings = {"chunk_size": BLOCK, "l1_size_gb": args.l1_size_gb}
+    (args.out / "server.json").write_text(json.dumps(settings) + "\n")
+    server = LMCacheServer(args.out / "_server", **settings)
     refill = Refill(server)
     results: dict[str, dict[str, Any]] = {}
     rc = 0
@@ -226,7 +243,7 @@ def main(argv: list[str]) -> int:
         finally:
             refill.close()
             bench_run.run_contender = ORIGINAL_RUN
-    text = summary(results)
+    text = summary(results, settings)
     (args.out / "summary.md").write_text(text)
     print(text)
     return rc
