@@ -43,6 +43,7 @@ import yaml
 
 from kvcompose.bench import jobs
 from kvcompose.bench import run as bench_run
+from kvcompose.bench.results import RunResult
 from kvcompose.bench.summary import paired_ratios
 from kvcompose.testing.lmcache_server import LMCacheServer
 
@@ -110,13 +111,23 @@ class Refill:
         self.filler: Any = None
         self.runs = 0
 
-    def __call__(self, run: jobs.Session, c: Any, wl: Any, warm: Any, seed: int, *rest: Any):
+    def __call__(
+        self, run: jobs.Session, c: Any, wl: Any, warm: Any, seed: int, round_no: int, *rest: Any
+    ) -> RunResult:
         ktc = c.resolved.kv_transfer_config if c.resolved is not None else None
         if ktc is not None and "LMCacheMPConnector" in json.dumps(ktc):
-            self.refill(run, wl, seed)
-        return ORIGINAL_RUN(run, c, wl, warm, seed, *rest)
+            try:
+                self.refill(run, wl, seed)
+            except Exception as exc:  # this run fails, the bench goes on
+                self.close()  # the next run starts a filler (and, if need be, a server)
+                error = f"LMCache refill failed: {type(exc).__name__}: {exc}"
+                run.log(f"contender {c.label!r}: {error}")
+                return RunResult(label=c.label, seed=seed, round=round_no, error=error)
+        return ORIGINAL_RUN(run, c, wl, warm, seed, round_no, *rest)
 
     def refill(self, run: jobs.Session, wl: Any, seed: int) -> None:
+        if not self.server.alive():  # killed (the OOM killer took it once)
+            self.server.restart()
         if self.filler is None:
             self.filler = self.stack.enter_context(
                 jobs._engine(run.opts, run.model_dir, self.server.connector_config(), seed,
@@ -136,7 +147,9 @@ class Refill:
         self.runs += 1
 
     def close(self) -> None:
-        self.stack.close()
+        with contextlib.suppress(Exception):
+            self.stack.close()
+        self.stack = contextlib.ExitStack()
         self.filler = None
 
 
