@@ -69,6 +69,21 @@ def child_range_supports(tree: nodes.Composite) -> tuple[RangeSupport, ...]:
     )
 
 
+#: Connectors that must be asked about every request they see: ``LMCacheMPConnector`` makes a
+#: request's tracker in ``get_num_new_matched_tokens``, and its ``update_state_after_alloc``
+#: and ``build_connector_meta`` assert on a request it was never asked about.
+ASKED_ABOUT_EVERY_REQUEST = frozenset({"LMCacheMPConnector"})
+
+
+def asks_every_child(tree: nodes.Composite) -> bool:
+    """Whether ``first`` must ask the children after the first hit too: a child of
+    ``ASKED_ABOUT_EVERY_REQUEST`` would otherwise go unasked (the first hit still owns)."""
+    return any(
+        isinstance(child, nodes.Leaf) and child.connector in ASKED_ABOUT_EVERY_REQUEST
+        for child in tree.children
+    )
+
+
 def build_policy(
     tree: nodes.Composite,
     block_size: int,
@@ -86,7 +101,7 @@ def build_policy(
         block_size,
         ledger,
         counters,
-        ask_every_child=ask_every_child,
+        ask_every_child=ask_every_child or asks_every_child(tree),
         vllm_config=vllm_config,
     )
     return policy_class(tree)(setting)
