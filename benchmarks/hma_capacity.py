@@ -13,11 +13,11 @@ Both run ``builtin-hybrid`` with the same KV cache memory (``KV_CACHE_MIB``), ch
 with HMA off ``BASE_USERS`` requests fit whole: a request is 1,600 prompt tokens and
 ``MAX_TOKENS`` output tokens, 14 blocks of 128 tokens of 4 MiB with HMA off; with HMA on its
 full-attention group takes 14 blocks of 2 MiB and its sliding group the window's 3-4. Every
-request arrives at once (``--time-scale 0``), one per user (``--rounds 1``), at two
-concurrencies: ``BASE_USERS`` and twice as many. ``kvcompose bench`` runs each
-concurrency with both trees in rotated rounds; every row carries the blocks vLLM allocated,
-whether HMA stayed on (read from the engine), the preemptions of the replay and the most
-requests the scheduler ran at once (the others wait for blocks).
+request arrives at once (``--time-scale 0``), one per user (``--rounds 1``), at three
+concurrencies: ``BASE_USERS``, 1.5 times as many (the goal) and twice as many. ``kvcompose
+bench`` runs each concurrency with both trees in rotated rounds; every row carries the blocks
+vLLM allocated, whether HMA stayed on (read from the engine), the preemptions of the replay and
+the most requests the scheduler ran at once (the others wait for blocks).
 
 ``summary.md`` reports, per concurrency and tree, preemptions per replay, the most requests
 running at once, TTFT p50 and throughput, and ``hma-off``'s TTFT p50 and throughput over
@@ -35,7 +35,8 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "hma_capacity"
 MODEL = "builtin-hybrid"
 BASE_USERS = 8
-LEVELS = (BASE_USERS, 2 * BASE_USERS)
+#: the base, the goal's 1.5 times it, and twice it
+LEVELS = (BASE_USERS, BASE_USERS * 3 // 2, 2 * BASE_USERS)
 MAX_TOKENS = 96
 #: 114 blocks of 4 MiB with HMA off: 8 requests of 14 blocks and vLLM's null block
 KV_CACHE_MIB = 456

@@ -11,14 +11,15 @@ Split by role like vLLM's larger connectors:
   step's output;
 - ``worker``: the worker half (owner-filtered completion signals, per-child failure
   containment);
-- ``children`` (building and calling children), ``transfer`` (each child's
-  ``KVTransferConfig`` fields), ``guard`` (contract checks), ``metadata`` (what the halves
+- ``children`` (building and calling children), ``child_configs`` (each child's
+  ``KVTransferConfig`` fields), ``params_merge`` (their ``kv_transfer_params`` in one dict),
+  ``guard`` (contract checks), ``metadata`` (what the halves
   ship each other), ``stats`` (counters and metrics), ``rules`` (the aggregation rule of
   every member).
 
 The runtime reads trees in their validated in-memory form (``kvcompose.tree``); reading user
 documents is the config layer's job (``kvcompose.config``), and ``kvcompose.KVCompose`` joins
-the two. Importing this package does not import vLLM; its modules other than ``transfer``,
+the two. Importing this package does not import vLLM; its modules other than ``child_configs``,
 ``ledger``, ``guard``, ``policies`` and ``rules`` do.
 """
 

@@ -6,7 +6,7 @@ becomes another ``KVCompose`` instance, loaded through the same factory with its
 connector.
 
 Each child gets its own shallow copy of the ``VllmConfig`` with its own ``KVTransferConfig``
-(``kvcompose.composite.transfer``: the parent's fields it does not set are inherited; upstream
+(``kvcompose.composite.child_configs``: the parent's fields it does not set are inherited; upstream
 MultiConnector inherits none, and crashes when a child sets its own ``engine_id``).
 
 ``Children`` is what both halves of a node hold: the built children, the node's guard, and
@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 
 from kvcompose import tree as nodes
-from kvcompose.composite.transfer import child_transfer_dict
+from kvcompose.composite.child_configs import child_transfer_dict
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

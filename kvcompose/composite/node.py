@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcompose import tree as nodes
+from kvcompose.composite.child_configs import child_transfer_dict
 from kvcompose.composite.children import (
     Children,
     build_child,
@@ -48,7 +49,6 @@ from kvcompose.composite.metadata import CompositeMetadata
 from kvcompose.composite.policies.factory import policy_class
 from kvcompose.composite.scheduler import CompositeScheduler
 from kvcompose.composite.stats import ComposedStats, NodeCounters, build_composed_prom_metrics
-from kvcompose.composite.transfer import child_transfer_dict
 from kvcompose.composite.worker import CompositeWorker
 from kvcompose.composite.worker_signals import WorkerSignals
 

@@ -36,10 +36,10 @@ from kvcompose.composite.ledger import Ledger, LedgerError, LoadState
 from kvcompose.composite.lookup import Lookup
 from kvcompose.composite.metadata import ComposedWorkerMeta, CompositeMetadata
 from kvcompose.composite.output_routing import OutputRouter
+from kvcompose.composite.params_merge import merge_params
 from kvcompose.composite.policies.factory import build_policy
 from kvcompose.composite.stats import NodeCounters
 from kvcompose.composite.stitch import StitchPlanner
-from kvcompose.composite.transfer_params import merge_params
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -29,7 +29,7 @@ from kvcompose.tree import (
     Route,
     effective_saves,
 )
-from kvcompose.tree.messages import did_you_mean, format_path, shown
+from kvcompose.tree.error_messages import did_you_mean, format_path, shown
 
 Translate = Callable[[Path], Path]
 

@@ -28,7 +28,7 @@ from kvcompose.config.limits import (
     size_text,
 )
 from kvcompose.tree import NAME_PATTERN, VERSION, Chain, Document, Fanout, Leaf, Route, RouteRule
-from kvcompose.tree.messages import BOUND_SIGNS
+from kvcompose.tree.error_messages import BOUND_SIGNS
 
 #: The prose of docs/config.md, with ``$name`` placeholders for the generated parts.
 _TEMPLATE = Path(__file__).with_name("reference.md.tmpl")

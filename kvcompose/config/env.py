@@ -32,7 +32,7 @@ from kvcompose.config.document_form import node_bodies
 from kvcompose.config.errors import ConfigError, shown_list
 from kvcompose.config.walk import check_plain
 from kvcompose.tree import TRANSFER_FIELDS
-from kvcompose.tree.messages import did_you_mean, shown
+from kvcompose.tree.error_messages import did_you_mean, shown
 
 ENV_CONFIG_FILE = "KVCOMPOSE_CONFIG_FILE"
 ENV_SET = "KVCOMPOSE_SET"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcompose.config.limits import MAX_LABEL, MAX_LISTED, MAX_MESSAGE
-from kvcompose.tree.messages import MAX_SHOWN, at, shown
+from kvcompose.tree.error_messages import MAX_SHOWN, at, shown
 
 Path = tuple[str | int, ...]
 

@@ -18,7 +18,7 @@ from kvcompose.config.errors import Path, shown_list
 from kvcompose.config.files import Source
 from kvcompose.config.include import Referrer, including
 from kvcompose.tree import NODE_KINDS, describe
-from kvcompose.tree.messages import format_path
+from kvcompose.tree.error_messages import format_path
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvcompose.tree import Chain, Leaf, Node, walk
-from kvcompose.tree.messages import shown
+from kvcompose.tree.error_messages import shown
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from kvcompose.tree import (
     parse_node,
     walk,
 )
-from kvcompose.tree.messages import format_path, shown
+from kvcompose.tree.error_messages import format_path, shown
 
 #: Names vLLM loads the composite under.
 COMPOSITE_NAMES = ("KVCompose", "KVComposeHMA")

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from kvcompose.config.errors import ErrorItem
 from kvcompose.tree import NODE_KIND_ERROR, NODE_KINDS, TRANSFER_FIELDS, Document
-from kvcompose.tree.messages import Loc, Wording, shown
+from kvcompose.tree.error_messages import Loc, Wording, shown
 
 #: vLLM's spelling of a leaf's own keys -> ours (MultiConnector JSON is read with it too).
 LEAF_KEYS = {

@@ -29,7 +29,7 @@ from kvcompose.tree import (
     Leaf,
     describe,
 )
-from kvcompose.tree.messages import unknown
+from kvcompose.tree.error_messages import unknown
 
 MULTI = "MultiConnector"
 COMPAT_MODULE = "kvcompose.compat"

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from kvcompose.config.limits import MAX_DEPTH, MAX_INT_DIGITS
-from kvcompose.tree.messages import key_not_string, shown
+from kvcompose.tree.error_messages import key_not_string, shown
 
 _TAG = "tag:yaml.org,2002:"
 _MERGE = f"{_TAG}merge"

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from kvcompose.config.deadline import UserCodeTimeout, limit_s, time_limit
 from kvcompose.config.known import needs_package, no_hma
 from kvcompose.tree import Leaf, Route, child_transfer_config, effective_saves, walk
-from kvcompose.tree.messages import Wording, at, did_you_mean, shown
+from kvcompose.tree.error_messages import Wording, at, did_you_mean, shown
 from kvcompose.tree.saves_off import SaveFalseRefused
 
 #: Connectors vLLM special-cases by name (``KVTransferConfig.has_connector``, HiSparse,

@@ -24,7 +24,7 @@ from kvcompose.config.errors import ConfigError, ErrorItem, LineMap, Path
 from kvcompose.config.limits import MAX_ALIAS_NODES, MAX_DEPTH, MAX_INT_DIGITS
 from kvcompose.config.parse import NOT_FINITE, TOO_DEEP, TOO_MANY_DIGITS, Marks, NotJson
 from kvcompose.tree import describe
-from kvcompose.tree.messages import key_not_string, shown
+from kvcompose.tree.error_messages import key_not_string, shown
 
 _SCALARS = (str, bool, type(None))
 #: Integers with more digits than this are refused (checked by magnitude, not by str()).

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvcompose.config.errors import ConfigError, ErrorItem, located
 from kvcompose.config.files import read_file
-from kvcompose.tree.messages import Wording
+from kvcompose.tree.error_messages import Wording
 
 
 class Timeouts(BaseModel):

@@ -17,6 +17,7 @@ from kvcompose.tree.fields import (
     ErrorPolicy,
     describe,
 )
+from kvcompose.tree.inherited_config import child_transfer_config, inherited_fields, transfer_dict
 from kvcompose.tree.model import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     NODE_KIND_ERROR,
@@ -36,7 +37,6 @@ from kvcompose.tree.model import (
     parse_node,
     walk,
 )
-from kvcompose.tree.transfer import child_transfer_config, inherited_fields, transfer_dict
 
 __all__ = [
     "DEFAULT_LOOKUP_TIMEOUT_S",

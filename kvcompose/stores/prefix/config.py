@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvcompose.tree.conditions import RequestCondition
-from kvcompose.tree.messages import Wording, at
+from kvcompose.tree.error_messages import Wording, at
 
 
 class EmulateRead(BaseModel):
