@@ -96,25 +96,33 @@ class PageCommand:
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+
+    def kill_after(self, deadline: float) -> None:
+        """Wait for the process until ``deadline``, then kill its group: a server's graceful
+        shutdown is not what these tests check, and NIXL's can take half a minute."""
+        try:
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
 
 
 @contextlib.contextmanager
 def running(*commands: PageCommand) -> Iterator[None]:
+    """The commands stop together: each is asked to end, then killed after 5 s."""
     try:
         yield
     finally:
         for command in commands:
-            command.stop()
+            command.terminate()
+        deadline = time.monotonic() + 5
+        for command in commands:
+            command.kill_after(deadline)
 
 
 def complete(port: int, **body: Any) -> dict[str, Any]:
