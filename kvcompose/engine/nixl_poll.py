@@ -14,14 +14,22 @@ The setting is a test bed's, never a default: it changes a NIXL internal that vL
 expose. :func:`environment` gives what a child process needs: vLLM spawns its workers on
 CPU (``CpuPlatform.check_and_update_config``), so the hook reaches them through a
 ``sitecustomize`` module on ``PYTHONPATH``, and the processes they start inherit both. It
-hides any other ``sitecustomize`` from those processes (the project's environments have none).
+hides any other ``sitecustomize`` from those processes (the project's environments have none);
+a process started with another one first (``EngineProcess``'s children, which apply their
+environment only once running) calls :func:`install_from_env` itself.
+
+``python -m kvcompose.engine.nixl_poll [US]`` prints the same variables as shell ``export``
+lines (default: the beds' 1 ms), for servers started by hand on a few cores:
+``eval "$(python -m kvcompose.engine.nixl_poll)"``.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.abc
 import importlib.util
 import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +39,16 @@ from typing import Any
 ENV = "KVCOMPOSE_NIXL_POLL_US"
 #: what the test beds use: a thousand wake-ups a second cost about 3 % of a core
 DEFAULT_US = 1000
-_SITE = "from kvcompose.engine.nixl_poll import install_from_env\n\ninstall_from_env()\n"
+#: the ``sitecustomize``; a Python without kvcompose (another environment started from a shell
+#: that exported the variables) starts as if it were not there
+_SITE = """try:
+    from kvcompose.engine.nixl_poll import install_from_env
+except ModuleNotFoundError as exc:
+    if exc.name is None or exc.name.partition(".")[0] != "kvcompose":
+        raise
+else:
+    install_from_env()
+"""
 
 
 def environment(poll_us: int = DEFAULT_US, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -39,8 +56,15 @@ def environment(poll_us: int = DEFAULT_US, base: dict[str, str] | None = None) -
     ``KVCOMPOSE_NIXL_POLL_US`` and ``PYTHONPATH`` with the ``sitecustomize`` directory
     first (``base``: the environment whose ``PYTHONPATH`` is extended; this process's)."""
     base = os.environ if base is None else base
-    path = [str(_site_dir()), *filter(None, base.get("PYTHONPATH", "").split(os.pathsep))]
-    return {ENV: str(poll_us), "PYTHONPATH": os.pathsep.join(path)}
+    site = str(_site_dir())
+    rest = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != site]
+    return {ENV: str(poll_us), "PYTHONPATH": os.pathsep.join([site, *rest])}
+
+
+def shell_exports(poll_us: int = DEFAULT_US, base: dict[str, str] | None = None) -> str:
+    """:func:`environment` as POSIX shell ``export`` lines, for ``eval``."""
+    env = environment(poll_us, base)
+    return "".join(f"export {key}={shlex.quote(value)}\n" for key, value in env.items())
 
 
 def install_from_env() -> None:
@@ -53,7 +77,9 @@ def install_from_env() -> None:
 def install(poll_us: int) -> None:
     """Make every NIXL agent created from now on in this process pause ``poll_us`` µs
     between its progress thread's polls: at once if nixl's bindings are loaded, else when
-    they are."""
+    they are. A later call's pause replaces an earlier one's (a process whose
+    ``sitecustomize`` installed one, then given another environment)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _BindingsFinder)]
     for name, module in list(sys.modules.items()):
         if _is_bindings(name):
             _patch(module, poll_us)
@@ -69,13 +95,16 @@ def _is_bindings(name: str) -> bool:
 
 def _patch(bindings: ModuleType, poll_us: int) -> None:
     """Wrap ``nixlAgent`` (nixl's ``_api`` looks it up on the bindings at each agent's
-    creation) so the config it is given pauses ``poll_us`` between polls."""
-    make = bindings.nixlAgent
-    if getattr(make, "_kvcompose_poll_us", None) is not None:
+    creation) so the config it is given pauses ``poll_us`` between polls; wrapped once, a
+    second patch only changes the pause."""
+    current = bindings.nixlAgent
+    if getattr(current, "_kvcompose_poll_us", None) is not None:
+        current._kvcompose_poll_us = poll_us
         return
+    make = current
 
     def agent(name: str, config: Any) -> Any:
-        config.pthrDelay = poll_us
+        config.pthrDelay = agent._kvcompose_poll_us  # type: ignore[attr-defined]
         return make(name, config)
 
     agent._kvcompose_poll_us = poll_us  # type: ignore[attr-defined]
@@ -91,7 +120,8 @@ class _BindingsFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if not _is_bindings(name):
             return None
-        sys.meta_path.remove(self)
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec
@@ -117,3 +147,26 @@ def _site_dir() -> Path:
         partial.write_text(_SITE)
         partial.replace(site)
     return directory
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the ``export`` lines of :func:`shell_exports` (``PYTHONPATH`` extended from this
+    process's, so the shell's own entries stay)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcompose.engine.nixl_poll",
+        description="Shell export lines that make NIXL's progress threads pause between "
+        "polls (for engines sharing a few CPU cores): "
+        'eval "$(python -m kvcompose.engine.nixl_poll)"',
+    )
+    parser.add_argument(
+        "poll_us",
+        nargs="?",
+        type=int,
+        default=DEFAULT_US,
+        help=f"microseconds between polls (default {DEFAULT_US})",
+    )
+    sys.stdout.write(shell_exports(parser.parse_args(argv).poll_us))
+
+
+if __name__ == "__main__":
+    main()

@@ -46,9 +46,10 @@ class EngineProcess:
 
     ``kv_transfer_config``: the dict form of ``KVTransferConfig`` (``kv_role`` defaults to
     ``"kv_both"``). ``env``: environment for the child, applied before vLLM is imported there
-    (e.g. ``VLLM_NIXL_SIDE_CHANNEL_PORT``). ``llm_kwargs`` go to ``vllm.LLM`` (vLLM's stats
-    logging is on unless they say otherwise, so that ``stats`` has numbers). ``log_file``: the
-    child's stdout and stderr go there instead of the parent's. ``on_progress`` receives what
+    (e.g. ``VLLM_NIXL_SIDE_CHANNEL_PORT``; a NIXL poll pause it sets is installed there too).
+    ``llm_kwargs`` go to ``vllm.LLM`` (vLLM's stats logging is on unless they say otherwise,
+    so that ``stats`` has numbers). ``log_file``: the child's stdout and stderr go there
+    instead of the parent's. ``on_progress`` receives what
     functions run by ``call`` report. ``preloaded``: fork from the server that has vLLM
     imported (see the module's docstring) instead of spawning. ``wait=False`` returns as soon
     as the child is started; ``wait_started`` (or the first call) then waits for its engine,
@@ -259,11 +260,8 @@ def _engine_main(
 ) -> None:
     if log_file is not None:
         _redirect_output(log_file)
-    os.environ.update(env)
     try:
-        from kvcompose.engine.llm import engine_env
-
-        engine_env()  # before vLLM/torch are imported in this process
+        _apply_env(env)
         _vllm_log_level()
         _thread_lock_for_progress_bars()
         from kvcompose.engine.llm import cleanup, make_llm
@@ -281,6 +279,21 @@ def _engine_main(
     finally:
         with contextlib.suppress(Exception):
             conn.close()
+
+
+def _apply_env(env: dict[str, str]) -> None:
+    """Give this (child) process ``env`` and the engine environment, before vLLM or torch is
+    imported here. The process started with its parent's environment, so what ``env`` asks
+    at start-up must be done here: NIXL's poll pause (``KVCOMPOSE_NIXL_POLL_US``), whose
+    ``sitecustomize`` either was not on the ``PYTHONPATH`` the process started with or was
+    hidden by another one first; with a single-process engine vLLM makes the NIXL agent in
+    this very process (``NixlBaseConnectorWorker.__init__``)."""
+    os.environ.update(env)
+    from kvcompose.engine import nixl_poll
+    from kvcompose.engine.llm import engine_env
+
+    engine_env()
+    nixl_poll.install_from_env()
 
 
 def _thread_lock_for_progress_bars() -> None:
