@@ -99,8 +99,11 @@ def _tree(
             )
         if stitching:
             align = f", starts on {support.align} tokens" if support.align else ""
+            inline = ", loads inline" if fastest and support.loads_inline else ""
             why = escape(support.why)
-            sub.add(f"[magenta]load range: {support.mode}{align}[/magenta] [dim]({why})[/dim]")
+            sub.add(
+                f"[magenta]load range: {support.mode}{align}{inline}[/magenta] [dim]({why})[/dim]"
+            )
     return branch
 
 

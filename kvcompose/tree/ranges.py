@@ -49,12 +49,15 @@ LMCACHE_CHUNK_TOKENS = 256
 class RangeSupport:
     """A leaf's part in stitched loads: its ``mode``, the alignment (tokens) a segment of
     it must start on (``None``: the block size), whether its segment can be cut shorter
-    than its hit, and why (shown by ``kvcompose explain``)."""
+    than its hit, and why (shown by ``kvcompose explain``). ``loads_inline``: its async
+    loads are read inside its worker's ``start_load_kv``, one after the other like sync
+    ones, so ``policy: fastest`` prices them one after the other, not in parallel."""
 
     mode: RangeMode
     align: int | None
     can_cut: bool
     why: str
+    loads_inline: bool = False
 
 
 _KNOWN: dict[str, RangeSupport] = {
@@ -63,6 +66,9 @@ _KNOWN: dict[str, RangeSupport] = {
         None,
         True,
         "looked up at a, loads exactly [a, a + n) by absolute block position",
+        # on several KV cache groups its loads are async (a failure goes up by request),
+        # but its worker still reads them in start_load_kv (``PrefixStoreWorker``)
+        loads_inline=True,
     ),
     "OffloadingConnector": RangeSupport(
         "native",
@@ -139,4 +145,6 @@ def range_support(
         can_cut = mode == "native"
     if align is not None:
         why += f"; starts aligned to {align} tokens (set in the tree)"
-    return RangeSupport(mode, align if align is not None else known.align, can_cut, why)
+    return RangeSupport(
+        mode, align if align is not None else known.align, can_cut, why, known.loads_inline
+    )

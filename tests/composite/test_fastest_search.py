@@ -9,9 +9,10 @@ search): every plan the range modes allow, generated recursively, each priced fr
 (before the search, by any amount: that rule's pick may differ only by rounding, which is
 checked too). A cold child's first probe (``Costs.free_probe``, a segment of a cold child
 that can be cut) is priced at nothing, here as in the search. Drawn at random: hits (sync and
-async, ends on and off the block grid), range modes, alignments, cuttability, priors (equal
-ones too), cold children (first probes, second ones, and ones left out while another
-request's load awaits its time), queues of async loads, prefill speeds."""
+async, ends on and off the block grid), range modes, alignments, cuttability, children whose
+async loads are read inline (priced as sync ones), priors (equal ones too), cold children
+(first probes, second ones, and ones left out while another request's load awaits its time),
+queues of async loads, prefill speeds."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def predict(
             load = 0.0  # a cold child's first probe: bought to be timed
         else:
             load = costs.loads[p.child].predict(p.end - p.start)
-        if p.is_async:
+        if p.is_async and not supports[p.child].loads_inline:
             waits = max(waits, costs.queue_s(p.child) + load)
         else:
             sync += load
@@ -168,6 +169,7 @@ def draw(rng: random.Random) -> tuple[list[Hit], int, int, list[RangeSupport], C
             rng.choice([None, None, 16, 32, 48, 64, 8]),
             rng.random() < 0.6,
             "drawn",
+            loads_inline=rng.random() < 0.3,
         )
         for _ in range(k)
     ]
@@ -277,3 +279,21 @@ def test_the_scan_bound_follows_every_change_of_a_line():
     supports = [RangeSupport("native", None, True, "test")] * 2
     hits = [Hit(0, 64, False), Hit(1, 32, False)]
     assert Planner(supports, BLOCK).scan(hits, 0, 96, costs, 96 / 2000.0, 64) is None
+
+
+def test_async_loads_read_inline_are_priced_one_after_the_other():
+    """The prefix store on several KV cache groups loads async (a failure goes up by
+    request) but reads each load inside its worker's ``start_load_kv``, one after the
+    other. At equal priors a stitch ``a[0,160) + b[160,192)`` then pays two latencies, and
+    b's whole hit (one latency) wins; priced as parallel loads, the stitch looked cheaper."""
+    costs = Costs([LoadCost(0.001, 1e6, prior_given=True) for _ in range(2)], 2000.0)
+    hits = [Hit(0, 160, True), Hit(1, 192, True)]
+    inline = [RangeSupport("native", None, True, "test", loads_inline=True)] * 2
+    got = choose("r", hits, 0, 200, inline, BLOCK, costs)
+    assert got.parts == (Part(1, 0, 192, True),)
+    assert got == reference("r", hits, 0, 200, inline, costs)[0]
+    parallel = [RangeSupport("native", None, True, "test")] * 2
+    assert choose("r", hits, 0, 200, parallel, BLOCK, costs).parts == (
+        Part(0, 0, 160, True),
+        Part(1, 160, 192, True),
+    )

@@ -12,13 +12,15 @@ them, but in any order and with any child left out:
 
 A plan's predicted time (``kvcompose.composite.policies.fastest.costs``): its sync segments one
 after the other, its async segments in parallel, each after its child's queue, then the prefill
-of what is left. The cheapest wins. A plan replaces the best so far only if it is cheaper by
-more than ``BETTER_BY`` (a billionth) of it: plans whose predictions differ by floating-point
-rounding alone are ties, and ties go to the plan found first (recompute first), so loading must
-pay to be chosen. A cold child (``Costs.cold``) with another request's load awaiting its time is
-left out (``Costs.usable``), and its segment, where it can be cut, ends at most
-``Costs.probe_tokens`` after its start (rounded up to its alignment): its first times are bought
-with short loads.
+of what is left. An async segment of a child that loads inline (``RangeSupport.loads_inline``:
+the prefix store on several KV cache groups, async so that a failure goes up by request, read in
+its worker's ``start_load_kv`` all the same) is priced as a sync one. The cheapest wins. A plan
+replaces the best so far only if it is cheaper by more than ``BETTER_BY`` (a billionth) of it:
+plans whose predictions differ by floating-point rounding alone are ties, and ties go to the
+plan found first (recompute first), so loading must pay to be chosen. A cold child
+(``Costs.cold``) with another request's load awaiting its time is left out (``Costs.usable``),
+and its segment, where it can be cut, ends at most ``Costs.probe_tokens`` after its start
+(rounded up to its alignment): its first times are bought with short loads.
 
 **A cold child's first probe is priced at nothing** (``Costs.free_probe``: a cold child none of
 whose loads has been timed, in a segment cut to its probe): it is bought to be timed, and its
@@ -133,6 +135,8 @@ class Planner:
         #: so it is never cut for another child (one ``%`` where a loop over the units took a
         #: generator a lookup)
         self.units_lcm = math.lcm(*{unit for _, _, unit, _ in self.static})
+        #: per child: its async loads are read one after the other (``loads_inline``)
+        self.inline = tuple(s.loads_inline for s in self.supports)
 
     def choose(
         self,
@@ -245,7 +249,10 @@ class Planner:
         if load is None:
             load = costs.loads[child].predict(end - local)
         # the walk's sums, to the bit: sync loads add up from 0, async ones wait in parallel
-        sync, waits = (0.0, max(0.0, costs.queue_s(child) + load)) if is_async else (load, 0.0)
+        if is_async and not self.inline[child]:
+            sync, waits = 0.0, max(0.0, costs.queue_s(child) + load)
+        else:
+            sync, waits = load, 0.0
         total = sync + waits + (num_tokens - end) / costs.prefill_tokens_per_s
         if total < recompute_s * _KEEP:
             return Choice((Part(child, local, end, is_async),), total)
@@ -288,10 +295,11 @@ class _Walk:
         fastest_rate = 0.0
         cheap = prefill > 0  # every load costs at least 0: a plan's sums only grow
         static = planner.static
+        inline = planner.inline
         for child, end, is_async in hits:
             load = loads[child]
             longest = max(longest, end)
-            any_async = any_async or is_async
+            any_async = any_async or (is_async and not inline[child])
             if static[child][3] and costs.free_probe(child):
                 fastest_rate = math.inf  # a first probe loads for nothing (``_row``)
             fastest_rate = max(fastest_rate, load.tokens_per_s)
@@ -309,14 +317,16 @@ class _Walk:
         self.longest = longest
         # no plan ends after the longest hit: what it leaves is computed in any plan
         self.floor_s = (num_tokens - longest) / prefill if prefill > 0 else 0.0
-        # all sync: every token a plan loads after a point loads at the fastest rate at best
+        # all sync (or inline): every token a plan loads after a point loads at the fastest
+        # rate at best
         self.bound_rate = 0.0 if any_async else fastest_rate
         self.best: tuple[tuple[int, int, int, bool], ...] = ()
         self.best_s = 0.0
 
     def _row(self, i: int) -> tuple:  # type: ignore[type-arg]
         """What every extension by hit ``i`` reads: its bit among the hits, child, end,
-        async, mode, whether it ends a plan, its unit, its load's line, its queue (async),
+        async, whether it loads in parallel (async, not inline), mode, whether it ends a
+        plan, its unit, its load's line, its queue (in parallel),
         its probe length (a cold child that can be cut) and its cuts (the last start of each
         later-ending child below its end, on that child's unit). A first probe
         (``Costs.free_probe``) is priced at nothing: latency 0 and an infinite rate, so its
@@ -324,6 +334,7 @@ class _Walk:
         hits, costs, static = self.hits, self.costs, self.planner.static
         child, end, is_async = hits[i]
         mode, last, unit, can_cut = static[child]
+        parallel = is_async and not self.planner.inline[child]
         load = costs.loads[child]
         latency, rate = load.latency_s, load.tokens_per_s
         probe = None
@@ -344,12 +355,13 @@ class _Walk:
             child,
             end,
             is_async,
+            parallel,
             mode,
             last,
             unit,
             latency,
             rate,
-            costs.queue_s(child) if is_async else 0.0,
+            costs.queue_s(child) if parallel else 0.0,
             probe,
             cuts,
         )
@@ -409,6 +421,7 @@ class _Walk:
                 child,
                 hit_end,
                 is_async,
+                parallel,
                 mode,
                 last,
                 unit,
@@ -434,7 +447,7 @@ class _Walk:
                 ends = [e for e in ends if e < pos + probe] + [pos + probe]
             for end in ends:
                 load = latency + (end - pos) / rate
-                if is_async:
+                if parallel:
                     s, w = sync, max(waits, queue + load)
                 else:
                     s, w = sync + load, waits
