@@ -22,6 +22,15 @@ whose range mode cannot be parked (``PARKABLE_MODES``) would load only what vLLM
 so its sync hits are not taken (counted ``not_parked.<child>``), and the next candidate is
 asked as if it had missed.
 
+A child that must be asked about every request (``LMCacheMPConnector`` makes a request's
+tracker in its lookup and asserts on a request it never saw, in ``update_state_after_alloc``
+and in ``build_connector_meta``), or a nested node holding one, is asked after the plan when
+the plan did not ask it: a route's other children, a fan-out's, the children after a stitch's
+covering segment or a ``first`` hit, children out of lookups (``Lookup.ask_the_rest``). Its
+answer is not taken: it is told 0 at the allocation (``LMCacheMPConnector`` cancels its
+prefetch). While it answers ``None`` the decision waits, as vLLM's ``MultiConnector`` waits
+for every child, up to the lookup deadline.
+
 ``Lookup.answer`` is what vLLM calls. Its common case (a request the node holds no record of,
 fixed candidates all asked at the local hit, no child out of lookups, no debug trace, nothing
 ``park_only`` would skip) is one loop: every candidate asked with the guard's checks inlined,
@@ -140,6 +149,8 @@ class Lookup:
         self._stops_at_hit = policy.stops_at_hit
         self._stops_at_pending = policy.stops_at_pending
         self._weighs_every_hit = policy.weighs_every_hit
+        #: the children asked about every request whatever the plan (``ask_the_rest``)
+        self.asked_every_request = policy.asked_every_request
         self.guard.on_disable.append(self._choose_path)
 
     def park_only(self) -> None:
@@ -157,7 +168,7 @@ class Lookup:
         fixed = self.fixed_candidates
         self._asks = (
             tuple((i, lookups[i]) for i in fixed.children)
-            if fixed is not None and self.policy.has_fast_path
+            if fixed is not None and self.policy.has_fast_path and self._fast_path_asks_all(fixed)
             else None
         )
         # per child, the last miss it answered, if that was a tuple ``(0, False)``: a child
@@ -165,6 +176,12 @@ class Lookup:
         # cannot change), so it is not checked again
         self._checked_misses = [None] * len(lookups)
         self._choose_path()
+
+    def _fast_path_asks_all(self, fixed: Candidates) -> bool:
+        """Whether the common case asks every child that must be asked about every request
+        (it asks every fixed candidate unless the policy stops at the first hit)."""
+        must = self.asked_every_request
+        return not must or (not self._stops_at_hit and must <= set(fixed.children))
 
     def set_debug(self, debug: bool) -> None:
         if debug is not self.debug:
@@ -239,10 +256,12 @@ class Lookup:
         trace: list[str] | None,
         timeouts: list[int],
         not_parked: list[int] | None = None,
+        asked: list[int] | None = None,
     ) -> Plan | Pending:
         """Ask the candidates in order; the hits the policy takes become the plan (see the
-        module docstring). ``timeouts`` and ``not_parked`` receive the children that missed
-        the deadline and whose sync hits were not taken (``park_only``)."""
+        module docstring). ``timeouts``, ``not_parked`` and ``asked`` receive the children
+        that missed the deadline, whose sync hits were not taken (``park_only``), and that
+        were asked."""
         policy = self.policy
         names = self.children.names
         disabled = self.guard.disabled
@@ -263,6 +282,8 @@ class Lookup:
                     trace.append(f"{names[child]}={why}")
                 continue
             tokens, is_async = self.ask(child, request, at)
+            if asked is not None:
+                asked.append(child)
             if trace is not None:
                 where = f"@{at}" if shows_start else ""
                 trace.append(f"{names[child]}{where}={tokens}{'a' if is_async and tokens else ''}")
@@ -316,9 +337,16 @@ class Lookup:
         trace: list[str] | None = [] if self.debug else None
         timeouts: list[int] = []
         not_parked: list[int] = []
+        asked: list[int] | None = [] if self.asked_every_request else None
         found = self.plan(
-            request, local, candidates, excluded, timed_out, trace, timeouts, not_parked
+            request, local, candidates, excluded, timed_out, trace, timeouts, not_parked, asked
         )
+        if (
+            asked is not None
+            and not isinstance(found, Pending)
+            and self.ask_the_rest(request, local, asked, timed_out, trace, timeouts)
+        ):
+            found = PENDING
         if isinstance(found, Pending):
             self.ledger.mark_pending(req_id, time.monotonic())
             return None, False
@@ -355,6 +383,30 @@ class Lookup:
                 reason,
             )
         return tokens, is_async
+
+    def ask_the_rest(
+        self,
+        request: Request,
+        local: int,
+        asked: list[int],
+        timed_out: bool,
+        trace: list[str] | None,
+        timeouts: list[int],
+    ) -> bool:
+        """Ask each child that must be asked about every request and that the plan did not
+        ask (see the module docstring); its answer is not taken. True: one of them is still
+        looking, and the decision waits (past the deadline it is counted a timeout)."""
+        pending = False
+        for child in sorted(self.asked_every_request.difference(asked)):
+            tokens, _ = self.ask(child, request, local)
+            if trace is not None:
+                trace.append(f"{self.children.names[child]}={tokens}(asked, not taken)")
+            if tokens is None:
+                if timed_out:
+                    timeouts.append(child)
+                else:
+                    pending = True
+        return pending
 
     def _not_parked(self, children: list[int]) -> None:
         """Count (and log once per child) the sync hits ``park_only`` did not take."""

@@ -53,7 +53,9 @@ RULES: dict[str, tuple[Aggregation, str]] = {
         "one owner; its (n, async) goes up unchanged; "
         "stitch asks each able child where the earlier ones end and reports the total, "
         "async if any segment is; (0, True) → (0, False); on several KV cache groups a "
-        "sync load goes up as async (parked: its failure can then be reported by request)",
+        "sync load goes up as async (parked: its failure can then be reported by request); "
+        "a child asked about every request (LMCacheMPConnector), or a node holding one, is "
+        "asked whatever the plan and told 0 where the plan does not take its hit",
     ),
     "update_state_after_alloc": (
         Aggregation.OWNER_N_OTHERS_0,

@@ -75,6 +75,20 @@ def child_range_supports(tree: nodes.Composite) -> tuple[RangeSupport, ...]:
 ASKED_ABOUT_EVERY_REQUEST = frozenset({"LMCacheMPConnector"})
 
 
+def holds_asked_every_request(node: nodes.Node) -> bool:
+    """Whether ``node`` is, or holds, a leaf of ``ASKED_ABOUT_EVERY_REQUEST``: a nested node
+    holding one must see every request too, to ask it."""
+    if isinstance(node, nodes.Leaf):
+        return node.connector in ASKED_ABOUT_EVERY_REQUEST
+    return any(holds_asked_every_request(child) for child in node.children)
+
+
+def asked_every_request(tree: nodes.Composite) -> frozenset[int]:
+    """The children of ``tree`` that must be asked about every request, whatever the plan
+    (``Lookup.ask_the_rest``)."""
+    return frozenset(i for i, c in enumerate(tree.children) if holds_asked_every_request(c))
+
+
 def asks_every_child(tree: nodes.Composite) -> bool:
     """Whether ``first`` must ask the children after the first hit too: a child of
     ``ASKED_ABOUT_EVERY_REQUEST`` would otherwise go unasked (the first hit still owns)."""
@@ -102,6 +116,7 @@ def build_policy(
         ledger,
         counters,
         ask_every_child=ask_every_child or asks_every_child(tree),
+        asked_every_request=asked_every_request(tree),
         vllm_config=vllm_config,
     )
     return policy_class(tree)(setting)
