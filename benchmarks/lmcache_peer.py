@@ -15,7 +15,11 @@ Every contender starts from the same content: the workload's ``disk`` set (each 
 user's history; each whole document). The bench prepares the store once and gives every run
 a fresh copy; the server is cleared (``POST /cache/clear``) and filled with the same prompts
 by an engine that keeps running beside the measured ones before every run that uses
-LMCache, so no run finds what an earlier run saved. LMCache's chunk is the engines' block
+LMCache, so no run finds what an earlier run saved. After every run the bench removes the
+shared-memory segments no process maps any more, and restarts the server (and its filler)
+once it holds ``ORPHANS_BEFORE_RESTART`` segments of engines that ended: the server keeps
+each engine's KV cache segment (1 GiB) mapped until it restarts, and about twenty fill a
+24 GiB machine. LMCache's chunk is the engines' block
 (128 tokens), so both tiers find the same hits as long as LMCache's memory tier
 (``--l1-size-gb``, default 2) holds the working set: at 0.25 GB it holds about 8,000 of
 the built-in model's tokens (32 KiB each) and evicts. The server and the engines run with the
@@ -53,6 +57,8 @@ OUT = HERE / "results" / "lmcache_peer"
 BLOCK = 128
 #: the prepared content every contender starts from (a store name of the built-in workloads)
 PREFILLED = "disk"
+#: restart the server once it maps this many segments no live engine maps (1 GiB each)
+ORPHANS_BEFORE_RESTART = 4
 #: workload sizes: about a minute a round per workload on 2 cores
 SIZES = {
     "chat": ["--users", "4", "--rounds", "2", "--new-users", "1"],
@@ -114,20 +120,44 @@ class Refill:
     def __call__(
         self, run: jobs.Session, c: Any, wl: Any, warm: Any, seed: int, round_no: int, *rest: Any
     ) -> RunResult:
-        ktc = c.resolved.kv_transfer_config if c.resolved is not None else None
-        if ktc is not None and "LMCacheMPConnector" in json.dumps(ktc):
-            try:
-                self.refill(run, wl, seed)
-            except Exception as exc:  # this run fails, the bench goes on
-                self.close()  # the next run starts a filler (and, if need be, a server)
-                error = f"LMCache refill failed: {type(exc).__name__}: {exc}"
-                run.log(f"contender {c.label!r}: {error}")
-                return RunResult(label=c.label, seed=seed, round=round_no, error=error)
-        return ORIGINAL_RUN(run, c, wl, warm, seed, round_no, *rest)
+        try:
+            ktc = c.resolved.kv_transfer_config if c.resolved is not None else None
+            if ktc is not None and "LMCacheMPConnector" in json.dumps(ktc):
+                try:
+                    self.refill(run, wl, seed)
+                except Exception as exc:  # this run fails, the bench goes on
+                    self.close()  # the next run starts a filler (and, if need be, a server)
+                    error = f"LMCache refill failed: {type(exc).__name__}: {exc}"
+                    run.log(f"contender {c.label!r}: {error}")
+                    return RunResult(label=c.label, seed=seed, round=round_no, error=error)
+            return ORIGINAL_RUN(run, c, wl, warm, seed, round_no, *rest)
+        finally:
+            self.tidy(run)
+
+    def tidy(self, run: jobs.Session) -> None:
+        """After every run (its engine has ended): restart the server
+        once it holds ``ORPHANS_BEFORE_RESTART`` segments only it maps, then remove the
+        segments nobody maps. A failed restart is logged; the next refill tries again."""
+        try:
+            orphaned = self.server.orphaned_segments()
+            if len(orphaned) >= ORPHANS_BEFORE_RESTART:
+                run.log(f"restarting the LMCache server: it holds {len(orphaned)} segments "
+                        f"no engine maps ({', '.join(orphaned)})")  # fmt: skip
+                self.restart_server()
+        except Exception as exc:
+            run.log(f"LMCache server restart failed: {type(exc).__name__}: {exc}")
+        self.server.clear_shm()
+
+    def restart_server(self) -> None:
+        """Restart the server, and the filler with it: a client notices a restart only when
+        its heartbeat saw the server down, and the new server refuses the saves of one that
+        did not (``CLIENT_HEARTBEAT_S``); the next refill starts a new filler."""
+        self.close()
+        self.server.restart()
 
     def refill(self, run: jobs.Session, wl: Any, seed: int) -> None:
         if not self.server.alive():  # killed (the OOM killer took it once)
-            self.server.restart()
+            self.restart_server()
         if self.filler is None:
             self.filler = self.stack.enter_context(
                 jobs._engine(run.opts, run.model_dir, self.server.connector_config(), seed,

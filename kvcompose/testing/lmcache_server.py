@@ -19,9 +19,20 @@ What an LMCache engine needs on CPU, all set here and nowhere in kvcompose itsel
 - ``LMCACHE_TRACK_USAGE=false`` (no usage telemetry).
 
 An engine moves its whole CPU KV cache into a POSIX shared-memory segment
-(``/dev/shm/lmcache_kv_<pid>_<n>``) for the server to read and write; the server maps its
-own. A process killed before it unlinks them leaves them behind, so ``stop()`` removes every
-``lmcache*`` segment that appeared while the server ran and that no live process holds.
+(``/dev/shm/lmcache_kv_<pid>_<n>``, 1 GiB for the bed's engines) for the server to read and
+write; the server maps it too. Two things outlive an engine:
+
+- its segment's file, when the process dies before it unlinks it: ``stop()`` and
+  ``clear_shm()`` remove every ``lmcache*`` segment that appeared while the server ran and
+  that no live process maps;
+- the server's mapping of it, its memory with it, until the server restarts, whether the
+  engine unregistered in its connector's shutdown or LMCache's reaper
+  (``--worker-reap-timeout-seconds``) dropped its registration or neither (on CPU,
+  ``CPUCacheContext.close`` is a no-op). ``orphaned_segments()`` lists them.
+
+After a restart an engine registers its KV cache again only if its client's heartbeat
+(``CLIENT_HEARTBEAT_S``) saw the server down; the new server refuses the saves and loads of
+one that did not, until that engine restarts.
 """
 
 from __future__ import annotations
@@ -53,6 +64,15 @@ CONNECTOR = "LMCacheMPConnector"
 SHM = Path("/dev/shm")
 #: Environment of the server and of every LMCache engine.
 LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
+#: Seconds between an LMCache client's heartbeat pings, each waiting as long for its answer
+#: (LMCache 0.5.6: ``ExtraConfigDefault.heartbeat_interval`` and ``HeartbeatThread`` in
+#: ``lmcache/integration/vllm/vllm_multi_process_adapter.py``; ``lmcache.mp.heartbeat_interval``
+#: overrides it). The client registers its KV cache again only on the first ping answered
+#: after one that timed out; a ping sent while the server is down waits on its ZMQ socket and
+#: is answered by a server back before its timeout. After the last answered ping the next one
+#: goes out within one interval and times out one later, so a server down for less than two
+#: intervals may go unnoticed.
+CLIENT_HEARTBEAT_S = 10.0
 
 
 def lmcache_missing() -> str | None:
@@ -100,15 +120,32 @@ def shm_segments() -> set[str]:
     return set()
 
 
-def _held_segments() -> set[str]:
-    """Segments some live process still maps (read from ``/proc/*/maps``)."""
-    held: set[str] = set()
+def _segment_mappers() -> dict[str, set[int]]:
+    """Each ``lmcache*`` segment some live process maps, with the pids that map it (read from
+    ``/proc/*/maps``; a segment unlinked while mapped keeps its name there, with
+    `` (deleted)`` after it)."""
+    mappers: dict[str, set[int]] = {}
     for maps in Path("/proc").glob("[0-9]*/maps"):
         with contextlib.suppress(OSError):
+            pid = int(maps.parent.name)
             for line in maps.read_text(errors="replace").splitlines():
                 if "/dev/shm/lmcache" in line:
-                    held.add(line.rsplit("/", 1)[-1].split()[0])
-    return held
+                    name = line.rsplit("/", 1)[-1].split()[0]
+                    mappers.setdefault(name, set()).add(pid)
+    return mappers
+
+
+def _held_segments() -> set[str]:
+    """Segments some live process still maps."""
+    return set(_segment_mappers())
+
+
+def _pgid(pid: int) -> int | None:
+    """The process group of ``pid`` (``None``: it is gone)."""
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 class LMCacheServer:
@@ -236,6 +273,21 @@ class LMCacheServer:
             with contextlib.suppress(OSError):
                 (SHM / name).unlink()
         return sorted(stale)
+
+    def orphaned_segments(self) -> list[str]:
+        """The segments the server (its process group) maps and no other live process does:
+        those of engines that ended. Each stays mapped, its memory held, until the server
+        restarts (see the module's docstring); ``[]`` when the server is down."""
+        proc = self.proc
+        group = _pgid(proc.pid) if proc is not None and proc.poll() is None else None
+        if group is None:
+            return []
+        orphaned = []
+        for name, pids in _segment_mappers().items():
+            groups = {_pgid(pid) for pid in pids} - {None}
+            if groups == {group}:
+                orphaned.append(name)
+        return sorted(orphaned)
 
     def __enter__(self) -> LMCacheServer:
         return self.start()

@@ -1,10 +1,12 @@
-"""The LMCache test bed's own parts that need no server: the dispatcher workaround and the
-removal of shared-memory segments left behind (``kvcompose.testing.lmcache_*``)."""
+"""The LMCache test bed's own parts that need no server: the dispatcher workaround, the
+removal of shared-memory segments left behind and the segments only the server still maps
+(``kvcompose.testing.lmcache_*``)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import types
@@ -109,4 +111,84 @@ def test_stop_removes_segments_left_behind_and_only_those(tmp_path: Path) -> Non
         assert before.exists()
     finally:
         for path in (before, left, held):
+            path.unlink(missing_ok=True)
+
+
+#: A stand-in for a process that maps shared-memory segments as LMCache's server and engines
+#: do (an ``mmap`` of the ``/dev/shm`` file, kept): it maps the segments named before
+#: ``--child``, starts a child of its own (same process group) mapping those after it, says
+#: so, and sleeps.
+MAPPER = """
+import mmap, subprocess, sys, time
+args = sys.argv[1:]
+names, rest = (args[:args.index("--child")], args[args.index("--child") + 1:]) \\
+    if "--child" in args else (args, [])
+maps = []
+for name in names:
+    with open("/dev/shm/" + name, "r+b") as fh:
+        maps.append(mmap.mmap(fh.fileno(), 1))
+if rest:
+    kid = subprocess.Popen([sys.executable, "-c", CODE, *rest],
+                           stdout=subprocess.PIPE, text=True)
+    assert kid.stdout.readline() == "mapped\\n"
+print("mapped", flush=True)
+time.sleep(600)
+"""
+
+
+def _mapper(*args: str, own_group: bool = False) -> subprocess.Popen[str]:
+    """A ``MAPPER`` process, once it maps its segments (``own_group``: a group of its own, as
+    ``LMCacheServer.start`` starts the server)."""
+    code = f"CODE = {MAPPER!r}\n{MAPPER}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=own_group,
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "mapped\n"
+    return proc
+
+
+def test_orphaned_segments_are_those_only_the_server_still_maps(tmp_path: Path) -> None:
+    """A stand-in server maps the segment of an engine that ended and that of a live
+    engine; a child of the server maps a third one the live engine maps too; a
+    fourth nobody maps (``clear_shm``'s business, not an orphan). Only the first is orphaned
+    until the live engine ends; then all three are, also one unlinked while the server maps
+    it; a server that is down holds none."""
+    if not SHM.is_dir():
+        pytest.skip("no /dev/shm")
+    tag = f"lmcache_kv_test_{os.getpid()}"
+    dead, live, child, unmapped = (SHM / f"{tag}_{n}" for n in ("dead", "live", "child", "none"))
+    for path in (dead, live, child, unmapped):
+        path.write_bytes(b"x")
+    bed = LMCacheServer(tmp_path)  # never started: only its segment bookkeeping
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        assert bed.orphaned_segments() == []  # no server
+        procs.append(_mapper(dead.name, live.name, "--child", child.name, own_group=True))
+        procs.append(_mapper(live.name, child.name))  # the live engine
+        bed.proc = procs[0]  # type: ignore[assignment]
+        assert bed.orphaned_segments() == [dead.name]
+
+        procs[1].kill()
+        procs[1].wait(10)
+        assert bed.orphaned_segments() == sorted([dead.name, live.name, child.name])
+        assert unmapped.name not in bed.orphaned_segments()
+        dead.unlink()  # as an engine's exit unlinks it: the server's mapping still holds it
+        assert dead.name in bed.orphaned_segments()
+
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(10)
+        assert bed.orphaned_segments() == []
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                if proc is procs[0]:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the server and its child
+                else:
+                    proc.kill()
+                proc.wait(10)
+        bed.proc = None
+        for path in (dead, live, child, unmapped):
             path.unlink(missing_ok=True)

@@ -22,6 +22,8 @@ finds the 7 blocks inside ``prompt[:-1]``. Who loaded what comes from vLLM's
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -36,7 +38,7 @@ from kvcompose.testing.lmcache_engine import (
     corruption_report,
     external_hit_tokens,
 )
-from kvcompose.testing.lmcache_server import LMCacheServer
+from kvcompose.testing.lmcache_server import CLIENT_HEARTBEAT_S, LMCacheServer, lmcache_missing
 from kvcompose.testing.mooncake import node_counters
 from kvcompose.testing.ports import free_port
 from kvcompose.testing.trees import chain, kvcompose_config, prefix_store_leaf, prompt
@@ -64,6 +66,9 @@ WHOLE, STORE = 255, 7 * BLOCK
 LONG = 48
 #: seconds a kvcompose node waits for a child answering "still looking"
 LOOKUP_TIMEOUT_S = 5.0
+#: how long the killed server stays down: two heartbeats of the engines' LMCache clients and
+#: some slack, so each client's heartbeat sees it down and registers again once it is back
+DOWN_S = 2 * CLIENT_HEARTBEAT_S + 5.0
 
 
 @pytest.fixture(scope="module")
@@ -252,8 +257,10 @@ def test_server_killed_mid_run_requests_finish_and_hits_come_back(server, engine
     request may already be done; the printed line says): the request finishes with
     recompute's output, nothing hangs, a request while the server is down waits out the
     node's lookup timeout and computes (``on_error: miss``, ``kv_load_failure_policy:
-    recompute``); once the server is back (same ports, empty), a prefix one chain stores is
-    loaded by another again."""
+    recompute``); once the server is back (same ports, empty, ``DOWN_S`` after the kill), a
+    prefix one chain stores is loaded by another again. Back sooner, it could stay unnoticed
+    by a client whose heartbeat never saw it down; that engine never registers again and the
+    new server refuses its saves (``CLIENT_HEARTBEAT_S``)."""
     tree, other = engines["longest"], engines["stitch"]
     assert hits(tree, "kill") == (reference["kill"], {})  # stored in LMCache (and its store)
     result: list[Any] = []
@@ -278,12 +285,14 @@ def test_server_killed_mid_run_requests_finish_and_hits_come_back(server, engine
     assert hits(other, "down") == (reference["down"], {})  # nowhere to look: computed
     down_s = time.monotonic() - t0
 
+    time.sleep(max(0.0, t_kill + DOWN_S - time.monotonic()))
+    down_total_s = time.monotonic() - t_kill
     server.restart()
     t1 = time.monotonic()
     rounds = []
-    # the engines' clients register their KV caches with the new server on their own, a few
-    # seconds after it is back (stores from an engine not yet registered are refused): each
-    # round one chain computes a fresh prompt, the other looks it up, until it loads it
+    # the engines' clients register their KV caches with the new server on their next
+    # heartbeat (stores from an engine not yet registered are refused): each round one
+    # chain computes a fresh prompt, the other looks it up, until it loads it
     for name in AFTER:
         assert hits(tree, name) == (reference[name], {})
         tokens, by_child = hits(other, name)
@@ -293,6 +302,22 @@ def test_server_killed_mid_run_requests_finish_and_hits_come_back(server, engine
             break
         time.sleep(2)
     print(f"\nserver killed: the request in flight done (saves included) {done_s:.1f} s "
-          f"later; a request while down took {down_s:.1f} s; after the restart, "
-          f"{time.monotonic() - t1:.1f} s: {rounds}")  # fmt: skip
+          f"later; a request while down took {down_s:.1f} s; down {down_total_s:.1f} s; "
+          f"after the restart, {time.monotonic() - t1:.1f} s: {rounds}")  # fmt: skip
     assert rounds[-1] == {"lmcache": WHOLE}, rounds
+
+
+def test_the_heartbeat_the_kill_test_waits_out_is_lmcache_s() -> None:
+    """``CLIENT_HEARTBEAT_S`` (which ``DOWN_S`` doubles) is the installed LMCache client's
+    default heartbeat interval (read in a process of its own: importing LMCache here would
+    load torch and LMCache's logging into the test process)."""
+    missing = lmcache_missing()
+    if missing:
+        pytest.skip(f"LMCache cannot run here: {missing}")
+    code = (
+        "from lmcache.integration.vllm.vllm_multi_process_adapter import "
+        "ExtraConfigDefault as d; print(d.heartbeat_interval.default)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) == CLIENT_HEARTBEAT_S
