@@ -36,6 +36,12 @@ fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+# A few cores: NIXL's progress threads poll without a pause, a core per engine, and starve
+# the engines (D's first handshake with P then runs past the proxy's health checks); make
+# them pause 1 ms between polls (KVCOMPOSE_NIXL_POLL_US, a sitecustomize on PYTHONPATH).
+if (($(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN) <= 4)); then
+  eval "$("$PYTHON" -m kvcompose.engine.nixl_poll)"
+fi
 
 P_CFG="$("$KVCOMPOSE" vllm-args --json "$HERE/prefill.yaml")"
 D_CFG="$("$KVCOMPOSE" vllm-args --json "$HERE/decode.yaml")"
