@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvcompose.testing.scripted import ScriptedConnector
+from kvcompose.testing.scripted import ScriptedConnector, leaf
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -61,11 +61,5 @@ class LMCacheMPConnector(ScriptedConnector):
 
 def lmcache_mp_leaf(name: str, script_name: str | None = None, **fields: Any) -> dict[str, Any]:
     """A leaf running the double with the script ``script_name`` (default: ``name``)."""
-    return {
-        "kind": "leaf",
-        "name": name,
-        "connector": "LMCacheMPConnector",
-        "module_path": MODULE_PATH,
-        "extra_config": {"script": script_name or name},
-        **fields,
-    }
+    fields = {"connector": "LMCacheMPConnector", "module_path": MODULE_PATH, **fields}
+    return leaf(name, script_name, **fields)
