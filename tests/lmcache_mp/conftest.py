@@ -18,11 +18,12 @@ CHUNK = 64
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LMCacheServer]:
-    """An ``lmcache server`` on free ports for the whole module."""
+    """An ``lmcache server`` on free ports for the whole module, started through the bed's
+    hooks (``hold_retrieves()``: the kill test pins its kill inside a load)."""
     missing = lmcache_missing()
     if missing:
         pytest.skip(f"LMCache cannot run here: {missing}")
-    bed = LMCacheServer(tmp_path_factory.mktemp("lmcache"), chunk_size=CHUNK)
+    bed = LMCacheServer(tmp_path_factory.mktemp("lmcache"), chunk_size=CHUNK, hooks=True)
     try:
         bed.start()
         yield bed

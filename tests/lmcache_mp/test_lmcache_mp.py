@@ -251,16 +251,21 @@ def test_first_takes_the_first_child_with_a_hit_and_the_store_saves_through(engi
     assert hits(tree, "first2") == (reference["first2"], {"store": STORE})
 
 
-def test_server_killed_mid_run_requests_finish_and_hits_come_back(server, engines, reference):
-    """The server dies (SIGKILL) half a second after a request that loads from it was
-    submitted (where the kill lands is not pinned: on a quiet machine the tiny model's
-    request may already be done; the printed line says): the request finishes with
-    recompute's output, nothing hangs, a request while the server is down waits out the
-    node's lookup timeout and computes (``on_error: miss``, ``kv_load_failure_policy:
-    recompute``); once the server is back (same ports, empty, ``DOWN_S`` after the kill), a
-    prefix one chain stores is loaded by another again. Back sooner, it could stay unnoticed
-    by a client whose heartbeat never saw it down; that engine never registers again and the
-    new server refuses its saves (``CLIENT_HEARTBEAT_S``)."""
+def test_server_killed_inside_a_load_request_finishes_and_hits_come_back(
+    server, engines, reference
+):
+    """The server dies (SIGKILL) while it holds an engine's retrieve: the lookup answered a
+    hit, the load is in flight (the bed's hook, ``LMCacheServer.hold_retrieves``, keeps
+    LMCache's ``LMCacheDrivenTransferModule.retrieve`` from answering until the kill; the
+    test asserts the retrieve arrived first). The request finishes with recompute's output:
+    the client's heartbeat (``CLIENT_HEARTBEAT_S``) marks the server unhealthy, and
+    ``LMCacheMPWorkerAdapter.get_finished`` then reports the pending retrieve finished with
+    its blocks failed (``kv_load_failure_policy: recompute``); nothing hangs. A request
+    while the server is down, its client unhealthy by then, computes (``on_error: miss``);
+    once the server is back (same ports, empty, ``DOWN_S`` after the kill), a prefix one
+    chain stores is loaded by another again. Back sooner, it could stay unnoticed by a
+    client whose heartbeat never saw it down; that engine never registers again and the new
+    server refuses its saves (``CLIENT_HEARTBEAT_S``)."""
     tree, other = engines["longest"], engines["stitch"]
     assert hits(tree, "kill") == (reference["kill"], {})  # stored in LMCache (and its store)
     result: list[Any] = []
@@ -271,14 +276,16 @@ def test_server_killed_mid_run_requests_finish_and_hits_come_back(server, engine
         except BaseException as exc:  # re-raised below, in the test's thread
             result.append(exc)
 
+    server.hold_retrieves()
     thread = threading.Thread(target=in_flight)
     thread.start()
-    time.sleep(0.5)
+    held = server.wait_held_retrieve(60)
     server.kill()
     t_kill = time.monotonic()
     thread.join(timeout=240)
     done_s = time.monotonic() - t_kill
-    assert not thread.is_alive(), "a request hangs after the server died"
+    assert held, f"the server never received the request's retrieve: {result}"
+    assert not thread.is_alive(), "a request hangs after the server died inside its load"
     assert result == [reference["kill-long"]]
 
     t0 = time.monotonic()
@@ -301,7 +308,8 @@ def test_server_killed_mid_run_requests_finish_and_hits_come_back(server, engine
         if by_child.get("lmcache") == WHOLE or time.monotonic() - t1 > 90:
             break
         time.sleep(2)
-    print(f"\nserver killed: the request in flight done (saves included) {done_s:.1f} s "
+    print(f"\nserver killed inside the load of {held}: the request done (saves included) "
+          f"{done_s:.1f} s "
           f"later; a request while down took {down_s:.1f} s; down {down_total_s:.1f} s; "
           f"after the restart, {time.monotonic() - t1:.1f} s: {rounds}")  # fmt: skip
     assert rounds[-1] == {"lmcache": WHOLE}, rounds
