@@ -1,7 +1,6 @@
 """A child that must be asked about every request (``LMCacheMPConnector`` asserts on a request
 it was never asked about), or a nested node holding one, is asked by every node whatever the
-plan, and told 0 where the plan does not take its hit: a ``first`` chain asks every child (the
-first hit still owns), the other nodes ask it after the plan (``Lookup.ask_the_rest``). On
+plan (``Lookup.ask_the_rest``), and told 0 where the plan does not take its hit. On
 vLLM's real scheduler with ``kvcompose.testing.lmcache_mp_double``; the engine-level proof is
 ``tests/lmcache_mp`` against a real ``lmcache server``."""
 
@@ -11,36 +10,9 @@ from typing import Any
 
 import pytest
 
-from kvcompose import tree as nodes
-from kvcompose.composite.ledger import Ledger
-from kvcompose.composite.policies.factory import build_policy
-from kvcompose.composite.stats import NodeCounters
 from kvcompose.testing.lmcache_mp_double import lmcache_mp_leaf
 from kvcompose.testing.scripted import Behaviour, leaf, script
 from kvcompose.testing.trees import chain, kvcompose_config, prompt
-
-
-def first_chain(*connectors: str) -> nodes.Chain:
-    children = [{"kind": "leaf", "name": f"c{i}", "connector": c} for i, c in enumerate(connectors)]
-    tree = nodes.parse_node(
-        {"kind": "chain", "name": "root", "policy": "first", "children": children}
-    )
-    assert isinstance(tree, nodes.Chain)
-    return tree
-
-
-@pytest.mark.parametrize(
-    ("connectors", "stops"),
-    [
-        (("ExampleConnector", "NixlConnector"), True),
-        (("ExampleConnector", "LMCacheMPConnector"), False),
-        (("LMCacheMPConnector", "ExampleConnector"), False),
-    ],
-)
-def test_first_asks_past_its_hit_only_for_a_child_asked_about_every_request(connectors, stops):
-    tree = first_chain(*connectors)
-    policy = build_policy(tree, 16, Ledger(), NodeCounters([c.name for c in tree.children]))
-    assert policy.stops_at_hit is stops
 
 
 # ------------------------------------------------- every node, on vLLM's real scheduler
@@ -70,6 +42,8 @@ def told(s: Any, req_id: str) -> list[int]:
 
 
 TREES = {
+    # the children after a first hit
+    "first": lambda: chain("root", leaf("fast"), lmcache_mp_leaf("lm"), policy="first"),
     # a route's other child
     "route": lambda: route("root", leaf("fast"), lmcache_mp_leaf("lm"), default="lm"),
     # a fan-out's children other than load_from

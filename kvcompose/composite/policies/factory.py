@@ -89,15 +89,6 @@ def asked_every_request(tree: nodes.Composite) -> frozenset[int]:
     return frozenset(i for i, c in enumerate(tree.children) if holds_asked_every_request(c))
 
 
-def asks_every_child(tree: nodes.Composite) -> bool:
-    """Whether ``first`` must ask the children after the first hit too: a child of
-    ``ASKED_ABOUT_EVERY_REQUEST`` would otherwise go unasked (the first hit still owns)."""
-    return any(
-        isinstance(child, nodes.Leaf) and child.connector in ASKED_ABOUT_EVERY_REQUEST
-        for child in tree.children
-    )
-
-
 def build_policy(
     tree: nodes.Composite,
     block_size: int,
@@ -115,7 +106,7 @@ def build_policy(
         block_size,
         ledger,
         counters,
-        ask_every_child=ask_every_child or asks_every_child(tree),
+        ask_every_child=ask_every_child,
         asked_every_request=asked_every_request(tree),
         vllm_config=vllm_config,
     )
