@@ -57,6 +57,7 @@ from kvcompose.composite.policies.base import (
     Pending,
     Plan,
 )
+from kvcompose.composite.policies.factory import asked_every_request
 from kvcompose.composite.segments import Segment
 
 if TYPE_CHECKING:
@@ -150,7 +151,7 @@ class Lookup:
         self._stops_at_pending = policy.stops_at_pending
         self._weighs_every_hit = policy.weighs_every_hit
         #: the children asked about every request whatever the plan (``ask_the_rest``)
-        self.asked_every_request = policy.asked_every_request
+        self.asked_every_request = asked_every_request(tree)
         self.guard.on_disable.append(self._choose_path)
 
     def park_only(self) -> None:

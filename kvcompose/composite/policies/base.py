@@ -128,8 +128,6 @@ class PolicySetting:
     #: ``first`` asks the children after the first hit too (the first hit still owns), as
     #: vLLM's MultiConnector does: a child that pins or prefetches on lookup relies on it
     ask_every_child: bool = False
-    #: the children asked about every request whatever the plan (``Lookup.ask_the_rest``)
-    asked_every_request: frozenset[int] = frozenset()
     #: to price loads (``fastest``): the model's KV bytes a token; None where nothing is priced
     vllm_config: VllmConfig | None = None
 
@@ -165,9 +163,6 @@ class LookupPolicy(ABC):
         #: the node's ledger: the common case records one child's load in it as the lookup's
         #: ``record`` would (no segment object: the ledger keeps only its owner)
         self.ledger = setting.ledger
-        #: the children asked about every request whatever the plan (told 0 where it does
-        #: not take their hit): ``LMCacheMPConnector`` asserts on a request it never saw
-        self.asked_every_request = setting.asked_every_request
         #: the common case stops at the first hit
         self.stops_at_hit = False
         #: the load-time model (``times_loads``), None otherwise

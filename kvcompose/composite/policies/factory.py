@@ -107,7 +107,6 @@ def build_policy(
         ledger,
         counters,
         ask_every_child=ask_every_child,
-        asked_every_request=asked_every_request(tree),
         vllm_config=vllm_config,
     )
     return policy_class(tree)(setting)
