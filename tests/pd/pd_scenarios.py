@@ -377,11 +377,11 @@ def assert_crossed(h: Handoff) -> None:
 
 def assert_p_freed_fast(h: Handoff) -> None:
     """P got the blocks back within a few of its steps after D's allocation, well inside
-    the lease. (Not whether before D's request ended: the tiny model decodes a few tokens in
-    about one of P's steps, so that order is a race between two processes.)"""
+    the lease, and before D's request ended."""
     assert h.hold_s is not None, f"P still holds {h.p_blocks} blocks: {h.row()}"
     assert h.hold_s < FREE_WITHIN_S, h.row()
     assert h.p_steps is not None and h.p_steps <= FREE_WITHIN_P_STEPS, h.row()
+    assert h.freed_before_d_done, h.row()
 
 
 def clean(engine: EngineProcess, timeout: float = 20.0) -> dict[str, Any]:
