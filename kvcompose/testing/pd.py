@@ -214,10 +214,12 @@ def trace_on(llm: Any) -> None:
 
 
 def _rebind(llm: Any, conn: Any) -> None:
-    """Let kvcompose nodes above ``conn`` re-cache its (now wrapped) hot-path methods."""
+    """Let kvcompose nodes above ``conn`` re-cache its (now wrapped) hot-path methods
+    (vLLM's ``MultiConnector`` looks them up on every call and caches none)."""
     for _, parent in scheduler_connectors(llm).items():
-        if conn in (getattr(parent, "_connectors", None) or ()):
-            parent.refresh_child_methods()
+        refresh = getattr(parent, "refresh_child_methods", None)
+        if refresh is not None and conn in (getattr(parent, "_connectors", None) or ()):
+            refresh()
 
 
 def _wrap_connector(conn: Any, path: str, trace: dict[str, Any]) -> None:
@@ -335,7 +337,7 @@ def drop_calls(
                     "step": trace["steps"],
                 }
             )
-        if method == "request_finished":
+        if method in ("request_finished", "request_finished_all_groups"):
             return False, None
         return None
 
