@@ -490,9 +490,14 @@ def _after_abort(
 
 def observe_seed_bug(p: EngineProcess, d: EngineProcess, seconds: float) -> dict[str, Any]:
     """The seed bug itself: D's composite stops talking to NIXL once another child owns
-    the load (no 0-token allocation, no request_finished). Watches P for ``seconds``."""
+    the load (no 0-token allocation, no finish: the scheduler finishes a request on a
+    connector that supports the hybrid KV cache manager, ``MultiConnector`` and its children
+    included, through ``request_finished_all_groups``, in ``Scheduler._connector_finished``).
+    Watches P for ``seconds``."""
+    finishes = ("request_finished", "request_finished_all_groups")
     d.call(pd.drop_calls, _node(d, "nixl"), "update_state_after_alloc", zero_only=True)
-    d.call(pd.drop_calls, _node(d, "nixl"), "request_finished")
+    for method in finishes:
+        d.call(pd.drop_calls, _node(d, "nixl"), method)
     try:
         seed_disk(d, prompt(19))
         (p_out,) = p.call(pd.run_requests, [prompt(19)], 1, {"do_remote_decode": True})
@@ -507,7 +512,8 @@ def observe_seed_bug(p: EngineProcess, d: EngineProcess, seconds: float) -> dict
             "p_snapshot": p.inspect()["requests"],
         }
     finally:
-        d.call(pd.drop_calls, _node(d, "nixl"), "request_finished", enable=False)
+        for method in finishes:
+            d.call(pd.drop_calls, _node(d, "nixl"), method, enable=False)
         d.call(pd.drop_calls, _node(d, "nixl"), "update_state_after_alloc", enable=False)
 
 
