@@ -31,6 +31,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+#: how long the idle child waits for a message while its scheduler holds requests, between
+#: two engine steps (EngineCore's busy loop does not wait at all)
+IDLE_STEP_S = 0.005
+#: how long it waits while the scheduler holds nothing
+IDLE_POLL_S = 0.05
+
 
 class EngineError(RuntimeError):
     """The engine process failed; the message holds its traceback, ``summary`` the exception
@@ -330,10 +336,13 @@ def _serve(conn: Any, llm: Any) -> None:
 
     sched = scheduler(llm)
     while True:
-        if not conn.poll(0.05):
-            # Idle: keep the engine stepping while its scheduler holds requests (finished
-            # ones waiting for a transfer to complete, e.g. P's blocks until D has read them).
-            if sched.has_requests():
+        # Idle: keep the engine stepping while its scheduler holds requests (finished ones
+        # waiting for a transfer to complete, e.g. P's blocks until D has read them), a few
+        # ms apart, so that P frees what D has read within a step or two, as it would under
+        # EngineCore's busy loop, and not only after D has decoded a few dozen tokens.
+        holding = sched.has_requests()
+        if not conn.poll(IDLE_STEP_S if holding else IDLE_POLL_S):
+            if holding:
                 llm.llm_engine.step()
             continue
         msg = conn.recv()

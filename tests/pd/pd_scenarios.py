@@ -49,7 +49,6 @@ FULL_PREFIX = (PROMPT_LEN - 1) // BLOCK * BLOCK  # what a store can hold: blocks
 D_TOKENS = 24  # D decodes long enough that "freed before D's request ended" means something
 #: The bound the tests assert on P's hold after D's allocation (the lease is 300 s).
 FREE_WITHIN_S = 5.0
-FREE_WITHIN_P_STEPS = 4
 LLM_KWARGS: dict[str, Any] = {"block_size": BLOCK}
 
 
@@ -376,11 +375,11 @@ def assert_crossed(h: Handoff) -> None:
 
 
 def assert_p_freed_fast(h: Handoff) -> None:
-    """P got the blocks back within a few of its steps after D's allocation, well inside
-    the lease, and before D's request ended."""
+    """P got the blocks back well inside the lease, and before D's request ended (P's idle
+    engine steps every few ms, as ``EngineCore``'s busy loop would, so its step count
+    measures time, not what freed the blocks)."""
     assert h.hold_s is not None, f"P still holds {h.p_blocks} blocks: {h.row()}"
     assert h.hold_s < FREE_WITHIN_S, h.row()
-    assert h.p_steps is not None and h.p_steps <= FREE_WITHIN_P_STEPS, h.row()
     assert h.freed_before_d_done, h.row()
 
 
