@@ -258,8 +258,7 @@ def _wrap_connector(conn: Any, path: str, trace: dict[str, Any]) -> None:
         )
         return alloc(request, blocks, num_external_tokens)
 
-    def request_finished(request: Any, block_ids: Any) -> Any:
-        result = finish(request, block_ids)
+    def finished(request: Any, result: Any) -> Any:
         events.append(
             {
                 "kind": "finished",
@@ -275,7 +274,15 @@ def _wrap_connector(conn: Any, path: str, trace: dict[str, Any]) -> None:
 
     conn.get_num_new_matched_tokens = get_num_new_matched_tokens
     conn.update_state_after_alloc = update_state_after_alloc
-    conn.request_finished = request_finished
+    conn.request_finished = lambda request, block_ids: finished(request, finish(request, block_ids))
+    # A parent that supports the hybrid KV cache manager (MultiConnector, vLLM's scheduler
+    # itself) finishes such a child through this method instead. Where it calls the child's
+    # own request_finished, the finish is recorded twice, which no reader counts.
+    finish_all = getattr(conn, "request_finished_all_groups", None)
+    if finish_all is not None:
+        conn.request_finished_all_groups = lambda request, block_ids: finished(
+            request, finish_all(request, block_ids)
+        )
 
 
 def take_trace(llm: Any, clear: bool = True) -> dict[str, Any]:
