@@ -119,7 +119,7 @@ def test_cold_decode_negative_controls(ref, prefill, decode):
 # ----------------------------------------------------------------------------- 2
 
 
-def test_disk_tier_owns_the_load_and_p_is_freed_within_steps(ref, prefill, decode):
+def test_disk_tier_owns_the_load_and_p_is_freed_before_d_ends(ref, prefill, decode):
     seed_disk(decode, prompt(23))
     h = handoff(prefill, decode, prompt(23))
     assert h.d_tokens == ref[23]
