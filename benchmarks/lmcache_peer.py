@@ -3,7 +3,7 @@
     flock /tmp/kvcompose-engine.lock .venv-lmcache/bin/python benchmarks/lmcache_peer.py
 
 runs ``kvcompose bench`` once per workload (``--workloads``, default ``chat,docqa``) with seven
-contenders in rotated rounds (``--repeats``, default 3):
+contenders in rotated rounds (``--repeats``, default 5):
 
 - ``recompute``: no connector;
 - ``store``: kvcompose's ``PrefixStoreConnector`` on tmpfs, given to vLLM directly;
@@ -69,7 +69,7 @@ TOLD = {
 }
 #: restart the server once it maps this many segments no live engine maps (1 GiB each)
 ORPHANS_BEFORE_RESTART = 4
-#: workload sizes: about a minute a round per workload on 2 cores
+#: workload sizes: a round takes about 3 min on chat, 4 on document QA, on 2 cores
 SIZES = {
     "chat": ["--users", "4", "--rounds", "2", "--new-users", "1"],
     "docqa": ["--docs", "2", "--questions", "8"],
@@ -262,7 +262,7 @@ def summary(results: dict[str, dict[str, Any]], server: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default="chat,docqa")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds, each contender once")
+    ap.add_argument("--repeats", type=int, default=5, help="rounds, each contender once")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument(
         "--l1-size-gb",
