@@ -230,6 +230,15 @@ def _preloaded_context() -> Any:
     return ctx
 
 
+def preload_server_pid() -> int | None:
+    """The pid of this process's ``forkserver`` (``preloaded=True`` children fork from it),
+    ``None`` while none runs. It keeps the environment it started in: a caller whose
+    children need something at interpreter start-up checks that it started it."""
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)  # CPython's one server
+
+
 # ----------------------------------------------------------------------------- child side
 
 #: The pipe to the parent while a ``call`` runs (child process only).

@@ -192,3 +192,39 @@ def test_orphaned_segments_are_those_only_the_server_still_maps(tmp_path: Path) 
         bed.proc = None
         for path in (dead, live, child, unmapped):
             path.unlink(missing_ok=True)
+
+
+#: the pid of the stand-in ``forkserver`` (``None``: none runs)
+_FORKSERVER: list[int | None] = [None]
+
+
+class _Recorded:
+    """Stands in for ``EngineProcess``: records how ``LMCacheServer.engine`` builds it; a
+    preloaded one starts the stand-in ``forkserver`` if none runs, as the real one does."""
+
+    def __init__(self, model_dir: object, config: object, **kw: object) -> None:
+        self.kw = kw
+        self.environ = dict(os.environ)
+        if kw["preloaded"] and _FORKSERVER[0] is None:
+            _FORKSERVER[0] = 4242
+
+    def close(self, graceful: bool = True) -> None: ...
+
+
+def test_engines_fork_only_from_a_preload_server_the_bed_started(monkeypatch, tmp_path) -> None:
+    """An LMCache engine forks from the preloaded ``forkserver`` when none runs yet (it then
+    starts in the engine's environment, the dispatcher workaround on its ``PYTHONPATH``) or
+    the bed started it; from one something else started, it is spawned."""
+    from kvcompose.testing import lmcache_server
+
+    monkeypatch.setattr(lmcache_server, "_LMCACHE_PRELOAD_SERVERS", set())
+    monkeypatch.setattr(lmcache_server, "preload_server_pid", lambda: _FORKSERVER[0])
+    _FORKSERVER[0] = None
+    server = LMCacheServer(tmp_path)
+    first = server.engine("first", tmp_path, None, engine_class=_Recorded)
+    assert first.kw["preloaded"] is True
+    assert str(server.site) in first.environ["PYTHONPATH"].split(os.pathsep)
+    assert server.engine("again", tmp_path, None, engine_class=_Recorded).kw["preloaded"] is True
+    _FORKSERVER[0] = 5151  # it died; another was started by something else
+    assert server.engine("other", tmp_path, None, engine_class=_Recorded).kw["preloaded"] is False
+    server.stop()
