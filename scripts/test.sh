@@ -123,10 +123,12 @@ RC1A=$RC
 
 T2=$SECONDS
 (
-  # its own --basetemp: two pytest sessions at once never share a temporary folder
+  # its own --basetemp: two pytest sessions at once never share a temporary folder; "|| rc"
+  # keeps set -e from ending the subshell before it writes a failure's exit code
+  rc=0
   VLLM_TARGET_DEVICE=cpu nice -n 10 .venv-vllm033/bin/python -m pytest -m "$P2_EXPR" \
-    --basetemp="$P2_DIR/tmp" "${XDIST[@]}" "${ARGS[@]}" >"$P2_DIR/log" 2>&1
-  echo $? >"$P2_DIR/rc"
+    --basetemp="$P2_DIR/tmp" "${XDIST[@]}" "${ARGS[@]}" >"$P2_DIR/log" 2>&1 || rc=$?
+  echo "$rc" >"$P2_DIR/rc"
   echo $((SECONDS - T2)) >"$P2_DIR/seconds"
 ) &
 P2_PID=$!
