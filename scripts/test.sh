@@ -21,7 +21,7 @@
 #   scripts/test.sh -m "not engine and not pd"      the fast subset, in both versions
 #   scripts/test.sh tests/engine/test_harness.py -x    one file
 #   KVCOMPOSE_TEST_WORKERS=0 scripts/test.sh -m "not engine and not pd"   in one process each
-# The inner loop (no engines, vLLM 0.32; about 3 minutes on 2 cores): phase 1a without the
+# The inner loop (no engines, vLLM 0.32; about 2.5 minutes on 2 cores): phase 1a without the
 # tests marked vllm_process (each starts a process that imports vLLM, ~8 s of one core):
 #   .venv/bin/python -m pytest -m "not engine and not pd and not vllm_process" -n 2 --dist worksteal
 # A -m expression given here is combined with each part's own ("(EXPR) and not engine ...").
