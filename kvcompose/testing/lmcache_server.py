@@ -80,7 +80,7 @@ LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
 CLIENT_HEARTBEAT_S = 10.0
 #: pids of the preloaded forkservers that ``LMCacheServer.engine`` started, in an LMCache
 #: engine's environment (the dispatcher workaround in place before vLLM's import)
-_LMCACHE_PRELOAD_SERVERS: set[int | None] = set()
+_LMCACHE_PRELOAD_SERVERS: set[int] = set()
 
 
 def lmcache_missing() -> str | None:
@@ -425,8 +425,9 @@ class LMCacheServer:
             running = preload_server_pid()
             fork = running is None or running in _LMCACHE_PRELOAD_SERVERS
             engine = cls(model_dir, kv_transfer_config, name=name, preloaded=fork, **kw)
-            if fork:  # started (or restarted) by this call, in this environment
-                _LMCACHE_PRELOAD_SERVERS.add(preload_server_pid())
+            started = preload_server_pid()
+            if fork and started is not None:  # started (or restarted) here, in this environment
+                _LMCACHE_PRELOAD_SERVERS.add(started)
         self._engines.append(engine)
         return engine
 
