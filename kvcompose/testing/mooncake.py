@@ -51,6 +51,9 @@ SHIM_DIR_NAME = "kvcompose-ibverbs"
 
 #: The connector's class name in vLLM (no module path needed: vLLM's factory knows it).
 CONNECTOR = "MooncakeStoreConnector"
+#: How long a master's admin page may take to answer: seconds, on a 2-core machine whose
+#: other core runs a CPU-bound test session (seen: over 5 s for the key listing).
+ADMIN_TIMEOUT_S = 30.0
 
 
 def shim_dir(prefix: str | os.PathLike[str] | None = None) -> Path:
@@ -337,7 +340,7 @@ class MooncakeCluster:
     def _admin_url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.admin_port}/{path}"
 
-    def _admin(self, path: str, timeout: float = 5.0) -> str:
+    def _admin(self, path: str, timeout: float = ADMIN_TIMEOUT_S) -> str:
         with urllib.request.urlopen(self._admin_url(path), timeout=timeout) as r:
             return r.read().decode()
 
@@ -522,7 +525,7 @@ def node_counters(llm: Any) -> dict[str, Any]:
 def listed_keys(keys_url: str) -> list[str]:
     """The keys a master's listing (``MooncakeCluster.keys_url``) names, one a line; usable
     where no ``MooncakeCluster`` is (an engine process)."""
-    with urllib.request.urlopen(keys_url, timeout=5.0) as listing:
+    with urllib.request.urlopen(keys_url, timeout=ADMIN_TIMEOUT_S) as listing:
         return [k for k in listing.read().decode().splitlines() if k.strip()]
 
 
