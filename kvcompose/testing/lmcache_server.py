@@ -216,6 +216,8 @@ class LMCacheServer:
         if self.starts == 0:
             self._shm_before = shm_segments()
         self.release_retrieves()  # a server (re)started serves its retrieves
+        if self.hold_dir is not None:  # and counts its own writes from 0
+            (self.hold_dir / server_hooks.WRITES).unlink(missing_ok=True)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 self.args,
@@ -296,6 +298,28 @@ class LMCacheServer:
         while not (held := self.held_retrieves()) and time.monotonic() < deadline:
             time.sleep(0.05)
         return held
+
+    def writes(self) -> tuple[int, int]:
+        """Chunks the server's stores handed to their commit, and chunks committed, since it
+        (re)started (``lmcache_server_hooks.WRITES``; ``(0, 0)`` before any store)."""
+        if self.hold_dir is None:
+            raise LMCacheError("writes needs LMCacheServer(hooks=True)")
+        with contextlib.suppress(OSError, ValueError):
+            handed, committed = (self.hold_dir / server_hooks.WRITES).read_text().split()
+            return int(handed), int(committed)
+        return 0, 0
+
+    def wait_writes_committed(self, timeout: float = 30.0) -> bool:
+        """Wait until every chunk a store handed to its commit is committed, so a lookup
+        finds it: the server acknowledges a store (and the engine's save ends) before its
+        dispatcher thread commits the chunks. False if that takes over ``timeout``; at once
+        True while the server is down."""
+        deadline = time.monotonic() + timeout
+        while (w := self.writes())[1] < w[0] and self.alive():  # a dead one commits no more
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def restart(self) -> None:
         """Start the server again on the same ports (after ``kill``)."""

@@ -1,14 +1,21 @@
-"""``lmcache server`` with a test bed's hook: its retrieves can be held, so a fault test can
-kill the server while an engine's load from it is in flight (test bed only; kvcompose ships
-no patch to LMCache).
+"""``lmcache server`` with a test bed's hooks: its retrieves can be held, so a fault test can
+kill the server while an engine's load from it is in flight, and its writes are counted, so
+a test can wait until what an engine stored is visible (test bed only; kvcompose ships no
+patch to LMCache).
 
 Run as ``python -m kvcompose.testing.lmcache_server_hooks <lmcache arguments>`` instead of
 the ``lmcache`` console script (``LMCacheServer`` does so). With ``HOLD_DIR_ENV`` naming a
-folder, the server's retrieve handler (LMCache 0.5.6:
-``LMCacheDrivenTransferModule.retrieve``, the ``lmcache_driven`` mode's handler of an
-engine's load) checks for ``HOLD`` in it: while that file exists, each retrieve appends its
-request id to ``HELD`` and waits, answering nothing, until the file is gone. Without the
-file it serves as LMCache does.
+folder:
+
+- the server's retrieve handler (LMCache 0.5.6: ``LMCacheDrivenTransferModule.retrieve``,
+  the ``lmcache_driven`` mode's handler of an engine's load) checks for ``HOLD`` in it: while
+  that file exists, each retrieve appends its request id to ``HELD`` and waits, answering
+  nothing, until the file is gone. Without the file it serves as LMCache does;
+- ``WRITES`` holds two counts of chunks: those a store copied and handed to the commit
+  (``StorageManager.prepare_write_completion``) and those committed
+  (``StorageManager.finish_write_by_owner``). The server acknowledges a store before the
+  commit, which runs later on its dispatcher thread, and a lookup finds committed chunks
+  only: a lookup right after an engine's store finished can miss what it stored.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +36,8 @@ HOLD = "hold"
 HELD = "held"
 #: The longest a retrieve waits (seconds): a forgotten hold ends.
 MAX_HOLD_S = 600.0
+#: "<handed to the commit> <committed>": chunks, since the server started.
+WRITES = "writes"
 
 
 def install(folder: Path) -> None:
@@ -52,6 +62,42 @@ def install(folder: Path) -> None:
         return original(self, key, *args, **kwargs)
 
     Module.retrieve = retrieve  # type: ignore[method-assign]
+    _count_writes(folder)
+
+
+def _count_writes(folder: Path) -> None:
+    """Wrap the two ``StorageManager`` steps of a store's commit (before the server binds
+    ``finish_write_by_owner`` to its dispatcher) to keep ``WRITES`` current."""
+    from lmcache.v1.distributed.storage_manager import StorageManager
+
+    lock = threading.Lock()
+    counts = {"handed": 0, "committed": 0}
+
+    def add(field: str, chunks: int) -> None:
+        with lock:
+            counts[field] += chunks
+            part = folder / f"{WRITES}.part"
+            part.write_text(f"{counts['handed']} {counts['committed']}\n")
+            part.replace(folder / WRITES)
+
+    prepare = StorageManager.prepare_write_completion
+    finish = StorageManager.finish_write_by_owner
+
+    @functools.wraps(prepare)
+    def prepare_write_completion(self: Any, objects: Any) -> Any:
+        completion = prepare(self, objects)
+        add("handed", sum(len(keys) for _, keys in completion))
+        return completion
+
+    @functools.wraps(finish)
+    def finish_write_by_owner(self: Any, completion: Any) -> None:
+        try:
+            finish(self, completion)
+        finally:
+            add("committed", sum(len(keys) for _, keys in completion))
+
+    StorageManager.prepare_write_completion = prepare_write_completion  # type: ignore[method-assign]
+    StorageManager.finish_write_by_owner = finish_write_by_owner  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> None:

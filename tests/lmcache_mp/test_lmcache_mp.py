@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,12 +133,30 @@ def pd(server: LMCacheServer, model: Path, engines) -> dict[str, pd_bed.EnginePr
     return out
 
 
+#: the module's server (set by ``_module_server``), whose commits ``generate`` waits for
+SERVER: list[LMCacheServer] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_server(server: LMCacheServer) -> Iterator[None]:
+    SERVER.append(server)
+    yield
+    SERVER.remove(server)
+
+
 def generate(engine: EngineProcess, name: str, max_tokens: int = MAX_TOKENS) -> list[int]:
-    """Greedy output of prompt ``name``, once the engine's saves of it are done: LMCache
-    holds a finished request's blocks until its server has stored them (``request_finished``
-    returns True), and the engine steps on while idle until then."""
+    """Greedy output of prompt ``name``, once the engine's saves of it are done and visible:
+    LMCache holds a finished request's blocks until its server has stored them
+    (``request_finished`` returns True), and the engine steps on while idle until then; the
+    server acknowledges the store before it commits the chunks, which a lookup needs (seen:
+    a lookup 0.2 s after the save missed a chunk it stored). While the server is down there is
+    nothing to wait for."""
     tokens = engine.generate([PROMPTS[name]], max_tokens)[0][0]
     assert engine.wait_idle(60), f"{engine.name}: the saves of {name!r} never finished"
+    for server in SERVER:
+        assert server.wait_writes_committed(30), (
+            f"{engine.name}: the server never committed the saves of {name!r}: {server.writes()}"
+        )
     return tokens
 
 
@@ -161,11 +180,14 @@ def hits(engine: EngineProcess, run_it: str) -> tuple[list[int], dict[str, float
     }
 
 
-def test_a_second_engine_loads_the_prefix_the_first_stored(engines, reference):
+def test_a_second_engine_loads_the_prefix_the_first_stored(server, engines, reference):
     """LMCache given to vLLM directly: A computes and stores, B loads it all (255 of 256
-    tokens) from the server with recompute's output."""
+    tokens) from the server with recompute's output. The bed counted A's 4 chunks into
+    their commit and out of it (what ``generate`` waits for)."""
     a, b = engines["a"], engines["b"]
+    handed, _ = server.writes()
     assert run(a, "direct") == (reference["direct"], 0)
+    assert server.writes() == (handed + 256 // (2 * BLOCK),) * 2
     assert run(b, "direct") == (reference["direct"], WHOLE)
 
 
