@@ -100,9 +100,8 @@ run_phase() {
 
 # Phase 2 beside phase 1b, in a whole run: the engine tests run one at a time and keep about
 # one core busy (imports, a single-threaded scheduler, waits on servers), so phase 2 gets the
-# other one: one process at a lower priority (two workers there took both cores and once
-# slowed the Mooncake master past a check's timeout). A narrowed run may have no engine test
-# to overlap.
+# other one: one process at a lower priority, so that the engine tests and the servers they
+# wait on keep a core when they need one. A narrowed run may have no engine test to overlap.
 P2_EXPR=$(with_mark "not engine and not pd and not slow and not version_neutral and not lmcache")
 P2_BESIDE=0
 [[ -z "$MARK" && ${#ARGS[@]} == 0 && "$WORKERS" != 0 ]] && P2_BESIDE=1
