@@ -113,10 +113,18 @@ BESIDE=0
 [[ -z "$MARK" && ${#ARGS[@]} == 0 && "$WORKERS" != 0 ]] && BESIDE=1
 LANE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvcompose-lane.XXXXXX")
 LANE_PID=""
-stop_lane() {  # on any exit: a lane still running (the script interrupted) is ended
+descendants() {  # descendants PID: every process below PID, parents before children
+  local child
+  for child in $(pgrep -P "$1"); do
+    echo "$child"
+    descendants "$child"
+  done
+}
+stop_lane() {  # on any exit: a lane still running (the script interrupted) is ended, with
+  # all it started (phase 2's pytest runs two levels down), taken in one snapshot
   if [[ -n "$LANE_PID" ]] && kill -0 "$LANE_PID" 2>/dev/null; then
-    pkill -TERM -P "$LANE_PID" 2>/dev/null || true
-    kill -TERM "$LANE_PID" 2>/dev/null || true
+    # shellcheck disable=SC2046  # one PID a word
+    kill -TERM "$LANE_PID" $(descendants "$LANE_PID") 2>/dev/null || true
   fi
   rm -rf "$LANE_DIR"
 }
