@@ -69,10 +69,12 @@ TOLD = {
 }
 #: restart the server once it maps this many segments no live engine maps (1 GiB each)
 ORPHANS_BEFORE_RESTART = 4
-#: workload sizes: a round takes about 3 min on chat, 4 on document QA, on 2 cores
+#: workload sizes: 16 measured requests a run on chat, 32 on document QA, so that one slow
+#: request moves a run's p50 little (8 and 16 left the store's p50 moving up to 3x between
+#: rounds); a round takes about 5 min on chat, 7 on document QA, on 2 cores
 SIZES = {
-    "chat": ["--users", "4", "--rounds", "2", "--new-users", "1"],
-    "docqa": ["--docs", "2", "--questions", "8"],
+    "chat": ["--users", "8", "--rounds", "2", "--new-users", "2"],
+    "docqa": ["--docs", "2", "--questions", "16"],
 }
 
 
